@@ -1,0 +1,144 @@
+/* Device code shared by every cake-rmsnorm program form.
+ *
+ * Row layout: a row of H bf16 is H/8 16-byte vectors spread over kTPR threads (a multiple of 32,
+ * "a row group"), kVPT vectors per thread; vector k of thread t is vector k*kTPR + t, so each load
+ * instruction of a warp covers 512 contiguous bytes. Vectors past H/8 are masked (never for the
+ * prebuilt widths). Several row groups may share a block (small H).
+ *
+ * Reductions are in a FIXED order: each thread sums its own elements in index order, a warp uses an
+ * xor butterfly (a + b == b + a exactly, so every lane holds the same bits), and the warps of a group
+ * are added in warp order from shared memory. Nothing depends on timing, grid or SM count.
+ * All shared memory is dynamic and of compile-time size (no static __shared__ anywhere), so a
+ * program's kSmemBytes is exactly what one of its blocks takes.
+ */
+#ifndef CAKE_RMSNORM_COMMON_CUH
+#define CAKE_RMSNORM_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+namespace cake {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kWarpSize = 32;
+constexpr int kVec = 8;                 // bf16 per 16-byte vector
+constexpr int kReduceScratchBytes = 128;  // one float per warp, up to 32 warps (1024 threads)
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int round_up(int a, int b) { return ceil_div(a, b) * b; }
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+template <int H, int kMaxTPR>
+struct RowLayout {
+  static_assert(H > 0 && H % kVec == 0, "H must be a positive multiple of 8");
+  static constexpr int kNV = H / kVec;                                   // vectors per row
+  static constexpr int kVPT = ceil_div(kNV, kMaxTPR);                    // vectors per thread
+  static constexpr int kTPR = round_up(ceil_div(kNV, kVPT), kWarpSize);  // threads per row
+  static constexpr int kWarps = kTPR / kWarpSize;
+  static constexpr int kCols = kVPT * kVec;                              // columns per thread
+  static constexpr bool kExact = kTPR * kVPT == kNV;
+  __device__ __forceinline__ static bool valid(int k, int t) { return kExact || k * kTPR + t < kNV; }
+  __device__ __forceinline__ static int vec(int k, int t) { return k * kTPR + t; }
+};
+
+/* ---- 16-byte bf16 vectors ---- */
+__device__ __forceinline__ uint4 ld_vec(const bf16* row, int v) {
+  return __ldg(reinterpret_cast<const uint4*>(row) + v);
+}
+__device__ __forceinline__ void st_vec(bf16* row, int v, uint4 u) {
+  reinterpret_cast<uint4*>(row)[v] = u;
+}
+__device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[kVec]) {
+  f[0] = bf_lo(u.x); f[1] = bf_hi(u.x); f[2] = bf_lo(u.y); f[3] = bf_hi(u.y);
+  f[4] = bf_lo(u.z); f[5] = bf_hi(u.z); f[6] = bf_lo(u.w); f[7] = bf_hi(u.w);
+}
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);  // round to nearest even
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ uint4 pack8(const float (&f)[kVec]) {
+  return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+}
+
+/* ---- weight [H] (fp32 or bf16) as 8 floats; dw stores ---- */
+__device__ __forceinline__ void ld_w8(const float* w, int v, float (&f)[kVec]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(w) + 2 * v);
+  const float4 b = __ldg(reinterpret_cast<const float4*>(w) + 2 * v + 1);
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+__device__ __forceinline__ void ld_w8(const bf16* w, int v, float (&f)[kVec]) {
+  unpack8(ld_vec(w, v), f);
+}
+__device__ __forceinline__ void st_dw(float* dw, int j, double v) { dw[j] = static_cast<float>(v); }
+__device__ __forceinline__ void st_dw(bf16* dw, int j, double v) { dw[j] = __double2bfloat16(v); }
+
+/* ---- compensated arithmetic ---- */
+// Knuth TwoSum: s + e == a + b exactly (no FMA contraction possible: no products).
+__device__ __forceinline__ void two_sum(float a, float b, float& s, float& e) {
+  s = a + b;
+  const float bb = s - a;
+  e = (a - (s - bb)) + (b - bb);
+}
+// The dw term of one element: p = dy*x (exact for two bf16), term = fl(p * rstd); err is the
+// rounding error of that product (TwoProduct through FMA): term + err == p * rstd exactly.
+__device__ __forceinline__ float dw_term(float dy, float x, float rstd) {
+  return __fmul_rn(__fmul_rn(dy, x), rstd);
+}
+__device__ __forceinline__ float dw_term_err(float dy, float x, float rstd, float term) {
+  return __fmaf_rn(__fmul_rn(dy, x), rstd, -term);
+}
+
+/* ---- fixed-order reductions ---- */
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = kWarpSize / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over a row group of kWarps warps; every thread of the group gets the same bits.
+// scratch: one float per warp of the block (kReduceScratchBytes); warp0 = first warp of the group.
+// Every thread of the block must call it the same number of times (it holds __syncthreads).
+template <int kWarps>
+__device__ __forceinline__ float group_sum(float v, float* scratch, int warp, int warp0) {
+  v = warp_sum(v);
+  if constexpr (kWarps == 1) {
+    return v;
+  } else {
+    if ((threadIdx.x & (kWarpSize - 1)) == 0) scratch[warp] = v;
+    __syncthreads();
+    float s = scratch[warp0];
+#pragma unroll
+    for (int i = 1; i < kWarps; ++i) s += scratch[warp0 + i];
+    __syncthreads();
+    return s;
+  }
+}
+
+__device__ __forceinline__ unsigned char* dyn_smem() {
+  extern __shared__ __align__(16) unsigned char cake_dyn_smem[];
+  return cake_dyn_smem;
+}
+
+/* ---- host helpers ---- */
+inline cudaError_t sm_count(int* out) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  return cudaDeviceGetAttribute(out, cudaDevAttrMultiProcessorCount, dev);
+}
+inline int grid_capped(int64_t want, int cap) {
+  if (cap > 0 && want > cap) want = cap;
+  if (want < 1) want = 1;
+  return static_cast<int>(want);
+}
+
+}  // namespace cake
+
+#endif  // CAKE_RMSNORM_COMMON_CUH

@@ -1,0 +1,1 @@
+"""The build orchestrator: plan → generate → configure → compile → verify → package. Never imports torch or the runtime."""

@@ -1,0 +1,130 @@
+"""The registry of programs and routes: the one source of truth for the build planner, the runtime
+router, the tests and the CLI. Data and queries only; it imports nothing else of the project
+(except the error classes), no torch and no CUDA.
+
+    reg = load_registry()
+    reg.route("sm_90a", "det", "bwd", hidden=4096, tokens=65536, weight_dtype="fp32", residual=False)
+    reg.libraries("sm_90a")
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterable, Optional, Tuple
+
+from ..errors import RouteError
+from .load import DATA_DIR, parse_archs, parse_programs, parse_routes, read_toml
+from .model import (FORMS, REDUCTIONS, Arch, Kernel, Library, LibraryKey, Program, Route, TableKey,
+                    Window)
+
+__all__ = ["Registry", "load_registry", "Arch", "Kernel", "Program", "Library", "LibraryKey",
+           "Route", "TableKey", "Window", "FORMS", "REDUCTIONS"]
+
+
+@dataclass(frozen=True)
+class Registry:
+    archs: Tuple[Arch, ...]
+    widths: Tuple[int, ...]
+    weight_dtypes: Tuple[str, ...]
+    backends: Tuple[str, ...]
+    directions: Tuple[str, ...]
+    smem_optin_bytes: int
+    programs: Dict[str, Program]
+    tables: Dict[TableKey, Tuple[Window, ...]]
+
+    # ---- archs -------------------------------------------------------------------------------
+    @property
+    def arch_names(self) -> Tuple[str, ...]:
+        return tuple(a.name for a in self.archs)
+
+    def arch(self, name: str) -> Arch:
+        for arch in self.archs:
+            if arch.name == name:
+                return arch
+        raise RouteError(f"unknown arch {name!r}; known: {', '.join(self.arch_names)}")
+
+    def arch_for_capability(self, major: int, minor: int) -> Optional[Arch]:
+        """The arch built for exactly this compute capability (no 'same major' guessing)."""
+        for arch in self.archs:
+            if arch.compute_capability == (major, minor):
+                return arch
+        return None
+
+    def parse_arch_list(self, text: str) -> Tuple[Arch, ...]:
+        """`sm_90a`, `sm_90a,sm_100a` or `all` → archs, in registry order."""
+        if text.strip() == "all":
+            return self.archs
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        if not names:
+            raise RouteError(f"no arch named in {text!r}; known: {', '.join(self.arch_names)}, all")
+        picked = {self.arch(n).name for n in names}
+        return tuple(a for a in self.archs if a.name in picked)
+
+    # ---- routes ------------------------------------------------------------------------------
+    def table(self, key: TableKey) -> Tuple[Window, ...]:
+        try:
+            return self.tables[key]
+        except KeyError:
+            raise RouteError(f"no route table for {key.describe()}") from None
+
+    def route(self, arch: str, backend: str, direction: str, hidden: int, tokens: int,
+              weight_dtype: str = "fp32", residual: bool = False) -> Route:
+        """Which program and library run this point, and the window that says so."""
+        self.arch(arch)
+        for label, value, allowed in (("backend", backend, self.backends),
+                                      ("direction", direction, self.directions),
+                                      ("weight_dtype", weight_dtype, self.weight_dtypes)):
+            if value not in allowed:
+                raise RouteError(f"{label} {value!r} is not one of {list(allowed)}")
+        if hidden not in self.widths:
+            raise RouteError(f"H={hidden} is not a prebuilt width; prebuilt: "
+                             f"{', '.join(map(str, self.widths))}")
+        if tokens < 1:
+            raise RouteError(f"T={tokens}: routes start at T 1")
+        key = TableKey(arch, backend, direction, weight_dtype, bool(residual), hidden)
+        windows = self.table(key)
+        idx = bisect.bisect_right([w.first for w in windows], tokens) - 1
+        window = windows[idx]
+        return Route(key, tokens, window, self._library(arch, window.program, key))
+
+    # ---- libraries ---------------------------------------------------------------------------
+    def _library(self, arch: str, program: Program, key: TableKey) -> Library:
+        return Library(arch, program, LibraryKey(key.hidden, key.weight_dtype, key.residual),
+                       self.smem_optin_bytes)
+
+    def libraries(self, arch: str, widths: Optional[Iterable[int]] = None) -> Tuple[Library, ...]:
+        """Every library `arch` needs (derived from its routes), sorted by name."""
+        self.arch(arch)
+        wanted = set(self.widths if widths is None else widths)
+        unknown = wanted - set(self.widths)
+        if unknown:
+            raise RouteError(f"width(s) {sorted(unknown)} are not prebuilt widths; prebuilt: "
+                             f"{', '.join(map(str, self.widths))}")
+        libs = {}
+        for key, windows in self.tables.items():
+            if key.arch != arch or key.hidden not in wanted:
+                continue
+            for window in windows:
+                lib = self._library(arch, window.program, key)
+                libs[lib.name] = lib
+        return tuple(libs[name] for name in sorted(libs))
+
+
+def build_registry(data_dir: Path) -> Registry:
+    archs_file, programs_file, routes_file = (data_dir / n for n in
+                                              ("archs.toml", "programs.toml", "routes.toml"))
+    archs, axes = parse_archs(read_toml(archs_file), archs_file.name)
+    programs = parse_programs(read_toml(programs_file), programs_file.name)
+    tables = parse_routes(read_toml(routes_file), routes_file.name, archs, axes, programs)
+    return Registry(archs=archs, widths=axes["widths"], weight_dtypes=axes["weight_dtypes"],
+                    backends=axes["backends"], directions=axes["directions"],
+                    smem_optin_bytes=axes["smem_optin_bytes"], programs=programs, tables=tables)
+
+
+@functools.lru_cache(maxsize=None)
+def load_registry(data_dir: Optional[str] = None) -> Registry:
+    """The registry from `data_dir` (default: the package's own data), validated, cached."""
+    return build_registry(Path(data_dir) if data_dir else DATA_DIR)

@@ -1,0 +1,182 @@
+"""Read the registry's TOML data and validate it; every inconsistency is a RegistryError that
+names the file, the table and the window at fault."""
+
+from __future__ import annotations
+
+import itertools
+import tomllib
+from pathlib import Path
+from typing import Dict, Iterable, List, Mapping, Tuple
+
+from ..errors import RegistryError
+from .model import FORMS, REDUCTIONS, Arch, Kernel, Program, TableKey, Window
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+
+def read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise RegistryError(f"{path.name}: cannot read registry data: {exc}") from exc
+
+
+def _require(mapping: Mapping, key: str, where: str):
+    if key not in mapping:
+        raise RegistryError(f"{where}: missing field {key!r}")
+    return mapping[key]
+
+
+def _check_unknown(mapping: Mapping, allowed: Iterable[str], where: str) -> None:
+    extra = sorted(set(mapping) - set(allowed))
+    if extra:
+        raise RegistryError(f"{where}: unknown field(s) {extra}; allowed: {sorted(allowed)}")
+
+
+def parse_archs(doc: dict, source: str) -> Tuple[Tuple[Arch, ...], dict]:
+    archs = []
+    for i, raw in enumerate(_require(doc, "arch", source)):
+        where = f"{source} arch #{i + 1}"
+        _check_unknown(raw, ("name", "compute_capability", "sm_count", "gpus"), where)
+        name = _require(raw, "name", where)
+        if not (name.startswith("sm_") and name.endswith("a")):
+            raise RegistryError(f"{where}: arch name {name!r} must look like 'sm_90a'")
+        cc = tuple(_require(raw, "compute_capability", where))
+        if len(cc) != 2 or not all(isinstance(v, int) for v in cc):
+            raise RegistryError(f"{where}: compute_capability {list(cc)} must be [major, minor]")
+        archs.append(Arch(name, cc, int(_require(raw, "sm_count", where)), raw.get("gpus", "")))
+    names = [a.name for a in archs]
+    if len(set(names)) != len(names):
+        raise RegistryError(f"{source}: an arch is listed twice: {names}")
+    axes = {
+        "widths": tuple(_require(doc, "widths", source)),
+        "weight_dtypes": tuple(_require(doc, "weight_dtypes", source)),
+        "backends": tuple(_require(doc, "backends", source)),
+        "directions": tuple(_require(doc, "directions", source)),
+        "smem_optin_bytes": int(_require(doc, "smem_optin_bytes", source)),
+    }
+    for width in axes["widths"]:
+        if not isinstance(width, int) or width <= 0 or width % 8:
+            raise RegistryError(f"{source}: width {width!r} must be a positive multiple of 8")
+    return tuple(archs), axes
+
+
+def parse_programs(doc: dict, source: str) -> Dict[str, Program]:
+    kernels: Dict[str, Kernel] = {}
+    for name, raw in _require(doc, "kernel", source).items():
+        where = f"{source} kernel {name!r}"
+        _check_unknown(raw, ("header", "template", "direction", "form", "params"), where)
+        form = _require(raw, "form", where)
+        if form not in FORMS:
+            raise RegistryError(f"{where}: form {form!r} is not one of {list(FORMS)}")
+        direction = _require(raw, "direction", where)
+        if direction not in ("fwd", "bwd") or (direction == "fwd") != (form == "forward"):
+            raise RegistryError(f"{where}: direction {direction!r} does not fit form {form!r}")
+        kernels[name] = Kernel(name, _require(raw, "header", where), _require(raw, "template", where),
+                               direction, form, tuple(_require(raw, "params", where)))
+    programs: Dict[str, Program] = {}
+    for name, raw in _require(doc, "program", source).items():
+        where = f"{source} program {name!r}"
+        _check_unknown(raw, ("kernel", "reduction", "deterministic", "params", "smem", "about"), where)
+        kname = _require(raw, "kernel", where)
+        if kname not in kernels:
+            raise RegistryError(f"{where}: unknown kernel {kname!r}; known: {sorted(kernels)}")
+        kernel = kernels[kname]
+        reduction = _require(raw, "reduction", where)
+        if reduction not in REDUCTIONS:
+            raise RegistryError(f"{where}: reduction {reduction!r} is not one of {list(REDUCTIONS)}")
+        params = dict(_require(raw, "params", where))
+        if set(params) != set(kernel.params):
+            raise RegistryError(f"{where}: params {sorted(params)} must be exactly kernel "
+                                f"{kname!r}'s {list(kernel.params)}")
+        for pname, value in params.items():
+            if not isinstance(value, int) or value <= 0:
+                raise RegistryError(f"{where}: param {pname} = {value!r} must be a positive integer")
+        smem = _require(raw, "smem", where)
+        _check_unknown(smem, ("fixed", "per_h"), where + " smem")
+        programs[name] = Program(
+            name=name, kernel=kernel, reduction=reduction,
+            deterministic=bool(_require(raw, "deterministic", where)),
+            params=tuple((p, params[p]) for p in kernel.params),
+            smem_fixed=int(smem.get("fixed", 0)), smem_per_h=int(smem.get("per_h", 0)),
+            about=raw.get("about", ""))
+    return programs
+
+
+def _expand(raw: dict, field: str, universe: tuple, where: str) -> tuple:
+    value = _require(raw, field, where)
+    if value == "all":
+        return universe
+    values = tuple(value) if isinstance(value, list) else (value,)
+    for v in values:
+        if v not in universe:
+            raise RegistryError(f"{where}: {field} {v!r} is not one of {list(universe)}")
+    return values
+
+
+def parse_windows(raw_windows: List[dict], key: TableKey, programs: Mapping[str, Program],
+                  where: str) -> Tuple[Window, ...]:
+    """Check that the windows tile 1..infinity exactly once and name known, fitting programs."""
+    table = f"{where} (table {key.describe()})"
+    windows = []
+    for raw in raw_windows:
+        _check_unknown(raw, ("first", "last", "program"), table)
+        pname = _require(raw, "program", table)
+        first, last = _require(raw, "first", table), raw.get("last")
+        span = f"T {first}..{'inf' if last is None else last}"
+        if pname not in programs:
+            raise RegistryError(f"{table}, window {span}: unknown program {pname!r}")
+        program = programs[pname]
+        if program.direction != key.direction:
+            raise RegistryError(f"{table}, window {span}: program {pname!r} is a "
+                                f"{program.direction} program")
+        if key.backend == "det" and not program.deterministic:
+            raise RegistryError(f"{table}, window {span}: det may not run non-deterministic "
+                                f"program {pname!r}")
+        if last is not None and last < first:
+            raise RegistryError(f"{table}, window {span}: last is below first")
+        windows.append(Window(int(first), None if last is None else int(last), program))
+    windows.sort(key=lambda w: w.first)
+    expected = 1
+    for i, window in enumerate(windows):
+        if window.first != expected:
+            kind = "gap" if window.first > expected else "overlap"
+            raise RegistryError(f"{table}: {kind} at window {window.describe()}: "
+                                f"expected it to start at T {expected}")
+        if window.last is None:
+            if i != len(windows) - 1:
+                raise RegistryError(f"{table}: overlap: window {window.describe()} is unbounded "
+                                    f"but more windows follow")
+            return tuple(windows)
+        expected = window.last + 1
+    raise RegistryError(f"{table}: gap after T {expected - 1}: no window reaches infinity")
+
+
+def parse_routes(doc: dict, source: str, archs: Tuple[Arch, ...], axes: dict,
+                 programs: Mapping[str, Program]) -> Dict[TableKey, Tuple[Window, ...]]:
+    tables: Dict[TableKey, Tuple[Window, ...]] = {}
+    origin: Dict[TableKey, str] = {}
+    for i, raw in enumerate(_require(doc, "table", source)):
+        where = f"{source} table entry #{i + 1}"
+        _check_unknown(raw, ("arch", "backend", "direction", "weight_dtype", "residual", "H",
+                             "windows"), where)
+        combos = itertools.product(
+            _expand(raw, "arch", tuple(a.name for a in archs), where),
+            _expand(raw, "backend", axes["backends"], where),
+            _expand(raw, "direction", axes["directions"], where),
+            _expand(raw, "weight_dtype", axes["weight_dtypes"], where),
+            _expand(raw, "residual", (False, True), where),
+            _expand(raw, "H", axes["widths"], where))
+        for combo in combos:
+            key = TableKey(*combo)
+            if key in tables:
+                raise RegistryError(f"{where}: overlap: table {key.describe()} is already "
+                                    f"given by {origin[key]}")
+            tables[key] = parse_windows(_require(raw, "windows", where), key, programs, where)
+            origin[key] = where
+    for combo in itertools.product((a.name for a in archs), axes["backends"], axes["directions"],
+                                   axes["weight_dtypes"], (False, True), axes["widths"]):
+        if TableKey(*combo) not in tables:
+            raise RegistryError(f"{source}: gap: no table for {TableKey(*combo).describe()}")
+    return tables

@@ -1,0 +1,181 @@
+"""The registry's value objects: frozen, typed, and free of any project import, torch or CUDA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+FORMS = ("forward", "pair", "single", "column_task")
+REDUCTIONS = ("fp32", "blocked_fp32", "twosum", "fp64_fold")
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str  # e.g. "sm_90a"
+    compute_capability: Tuple[int, int]
+    sm_count: int
+    gpus: str
+
+    @property
+    def tag(self) -> str:
+        """The arch as it appears in distribution names and extras: "sm90a"."""
+        return self.name.replace("_", "")
+
+    @property
+    def gencode(self) -> str:
+        """nvcc's -gencode value: SASS for exactly this arch, no PTX."""
+        num = self.name[len("sm_"):]
+        return f"arch=compute_{num},code=sm_{num}"
+
+    @property
+    def virtual_arch(self) -> str:
+        """The `compute_NN` name `nvcc --list-gpu-arch` must list for this arch ("a" dropped)."""
+        return "compute_" + self.name[len("sm_"):].rstrip("a")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel family: one C++ template in csrc/include."""
+
+    name: str
+    header: str
+    template: str
+    direction: str
+    form: str
+    params: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    """One compiled strategy and launch policy: a kernel family with fixed parameters."""
+
+    name: str
+    kernel: Kernel
+    reduction: str
+    deterministic: bool
+    params: Tuple[Tuple[str, int], ...]  # in the kernel's declared order
+    smem_fixed: int
+    smem_per_h: int
+    about: str
+
+    @property
+    def direction(self) -> str:
+        return self.kernel.direction
+
+    @property
+    def form(self) -> str:
+        return self.kernel.form
+
+    def smem_bytes(self, hidden: int) -> int:
+        return self.smem_fixed + self.smem_per_h * hidden
+
+
+@dataclass(frozen=True, order=True)
+class LibraryKey:
+    """What a library is compiled for besides its program and arch."""
+
+    hidden: int
+    weight_dtype: str
+    residual: bool
+
+    @property
+    def suffix(self) -> str:
+        return f"h{self.hidden}_{self.weight_dtype}" + ("_res" if self.residual else "")
+
+
+@dataclass(frozen=True)
+class Library:
+    """One program compiled for one (arch, H, weight dtype, residual)."""
+
+    arch: str
+    program: Program
+    key: LibraryKey
+    smem_optin_bytes: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.program.name}_{self.key.suffix}"
+
+    @property
+    def filename(self) -> str:
+        return f"lib{self.name}.so"
+
+    @property
+    def hidden(self) -> int:
+        return self.key.hidden
+
+    @property
+    def weight_dtype(self) -> str:
+        return self.key.weight_dtype
+
+    @property
+    def residual(self) -> bool:
+        return self.key.residual
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.program.smem_bytes(self.key.hidden)
+
+    @property
+    def oversized(self) -> bool:
+        """Needs CUDA 13.4's oversized shared-memory mode (more than the opt-in limit)."""
+        return self.smem_bytes > self.smem_optin_bytes
+
+    def plan_fields(self) -> dict:
+        """The fields `plan --json` and the manifest share."""
+        return {
+            "name": self.name,
+            "program": self.program.name,
+            "H": self.key.hidden,
+            "weight_dtype": self.key.weight_dtype,
+            "residual": self.key.residual,
+            "smem_bytes": self.smem_bytes,
+            "oversized": self.oversized,
+        }
+
+
+@dataclass(frozen=True, order=True)
+class TableKey:
+    """One route table: the T windows for one of these."""
+
+    arch: str
+    backend: str
+    direction: str
+    weight_dtype: str
+    residual: bool
+    hidden: int
+
+    def describe(self) -> str:
+        res = "residual" if self.residual else "no residual"
+        return (f"{self.arch} {self.backend} {self.direction} H={self.hidden} "
+                f"{self.weight_dtype} weight, {res}")
+
+
+@dataclass(frozen=True)
+class Window:
+    """Inclusive token range [first, last]; last None means no upper bound."""
+
+    first: int
+    last: Optional[int]
+    program: Program
+
+    def contains(self, tokens: int) -> bool:
+        return tokens >= self.first and (self.last is None or tokens <= self.last)
+
+    def describe(self) -> str:
+        hi = "inf" if self.last is None else str(self.last)
+        return f"T {self.first}..{hi}"
+
+
+@dataclass(frozen=True)
+class Route:
+    """The answer to a routing query: which program and library run a point, and why."""
+
+    table: TableKey
+    tokens: int
+    window: Window
+    library: Library = field(compare=False)
+
+    @property
+    def program(self) -> Program:
+        return self.window.program

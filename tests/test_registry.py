@@ -1,0 +1,164 @@
+"""The registry loads, validates and answers queries; every broken table is an error that names
+the table and the window."""
+
+import shutil
+
+import pytest
+
+from cake_rmsnorm.errors import RegistryError, RouteError
+from cake_rmsnorm.registry import FORMS, REDUCTIONS, TableKey, build_registry, load_registry
+from cake_rmsnorm.registry.load import DATA_DIR
+
+
+@pytest.fixture
+def reg():
+    return load_registry()
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    """A writable copy of the registry data; returns (dir, edit(file, old, new))."""
+    data = tmp_path / "data"
+    shutil.copytree(DATA_DIR, data)
+
+    def edit(name, old, new):
+        path = data / name
+        text = path.read_text()
+        assert old in text, f"{old!r} not in {name}"
+        path.write_text(text.replace(old, new, 1))
+    return data, edit
+
+
+def test_axes_are_the_four_archs_and_seven_widths(reg):
+    assert reg.arch_names == ("sm_90a", "sm_100a", "sm_103a", "sm_107a")
+    assert reg.widths == (256, 1536, 2048, 4096, 5120, 6144, 8192)
+    assert reg.arch_for_capability(9, 0).name == "sm_90a"
+    assert reg.arch_for_capability(10, 3).name == "sm_103a"
+    assert reg.arch_for_capability(8, 9) is None  # exact match only, no "same major" guess
+    assert reg.arch_for_capability(10, 1) is None
+
+
+def test_every_table_tiles_one_to_infinity(reg):
+    n_tables = len(reg.arch_names) * 2 * 2 * 2 * 2 * len(reg.widths)
+    assert len(reg.tables) == n_tables
+    for key, windows in reg.tables.items():
+        assert windows[0].first == 1, key
+        assert windows[-1].last is None, key
+        for a, b in zip(windows, windows[1:]):
+            assert b.first == a.last + 1, key
+
+
+def test_route_picks_the_window_holding_T(reg):
+    key = TableKey("sm_90a", "det", "bwd", "fp32", False, 4096)
+    windows = reg.table(key)
+    for window in windows:
+        for tokens in {window.first, window.last or window.first + 10**6}:
+            route = reg.route("sm_90a", "det", "bwd", 4096, tokens, "fp32", False)
+            assert route.window == window
+            assert route.library.program == window.program
+            assert route.library.name.endswith("_h4096_fp32")
+
+
+def test_programs_use_known_forms_and_reductions(reg):
+    for program in reg.programs.values():
+        assert program.form in FORMS
+        assert program.reduction in REDUCTIONS
+
+
+def test_det_tables_run_only_deterministic_programs(reg):
+    for key, windows in reg.tables.items():
+        if key.backend == "det":
+            assert all(w.program.deterministic for w in windows), key
+
+
+def test_libraries_are_derived_from_the_routes(reg):
+    for arch in reg.arch_names:
+        libs = reg.libraries(arch)
+        names = [lib.name for lib in libs]
+        assert len(names) == len(set(names))
+        used = {(w.program.name, k.hidden, k.weight_dtype, k.residual)
+                for k, ws in reg.tables.items() if k.arch == arch for w in ws}
+        assert {(l.program.name, l.hidden, l.weight_dtype, l.residual) for l in libs} == used
+        assert all(not lib.oversized for lib in libs)
+
+
+def test_library_subset_by_width(reg):
+    libs = reg.libraries("sm_90a", [256])
+    assert libs and all(lib.hidden == 256 for lib in libs)
+    with pytest.raises(RouteError, match="1000"):
+        reg.libraries("sm_90a", [1000])
+
+
+@pytest.mark.parametrize("args, match", [
+    (("sm_80", "det", "bwd", 4096, 10), "unknown arch 'sm_80'"),
+    (("sm_90a", "exact", "bwd", 4096, 10), "backend 'exact'"),
+    (("sm_90a", "det", "bwd", 1000, 10), "H=1000 is not a prebuilt width"),
+    (("sm_90a", "det", "bwd", 4096, 0), "T=0"),
+])
+def test_bad_queries_name_the_argument(reg, args, match):
+    with pytest.raises(RouteError, match=match):
+        reg.route(*args)
+
+
+def test_gap_is_an_error_naming_table_and_window(scratch):
+    data, edit = scratch
+    edit("routes.toml", "{ first = 257, program", "{ first = 300, program")
+    with pytest.raises(RegistryError, match=r"gap at window T 300\.\.inf.*expected it to start at T 257"):
+        build_registry(data)
+
+
+def test_overlap_is_an_error(scratch):
+    data, edit = scratch
+    edit("routes.toml", "{ first = 257, program", "{ first = 200, program")
+    with pytest.raises(RegistryError, match=r"table sm_90a det bwd H=1536.*overlap at window T 200"):
+        build_registry(data)
+
+
+def test_missing_end_window_is_a_gap(scratch):
+    data, edit = scratch
+    edit("routes.toml", '{ first = 1, program = "fast_single_b2" }',
+         '{ first = 1, last = 100, program = "fast_single_b2" }')
+    with pytest.raises(RegistryError, match="gap after T 100"):
+        build_registry(data)
+
+
+def test_unknown_program_is_an_error(scratch):
+    data, edit = scratch
+    edit("routes.toml", 'program = "det_pair_c64" }', 'program = "det_pair_c65" }')
+    with pytest.raises(RegistryError, match=r"window T 257\.\.inf: unknown program 'det_pair_c65'"):
+        build_registry(data)
+
+
+def test_key_given_twice_is_an_overlap(scratch):
+    data, edit = scratch
+    edit("routes.toml", "H = [256]", "H = [256, 2048]")
+    with pytest.raises(RegistryError, match="H=2048.*already given by"):
+        build_registry(data)
+
+
+def test_missing_table_is_a_gap(scratch):
+    data, edit = scratch
+    edit("routes.toml", 'residual = "all"\nH = [256]', 'residual = false\nH = [256]')
+    with pytest.raises(RegistryError, match=r"gap: no table for sm_90a det bwd H=256 fp32 weight, residual"):
+        build_registry(data)
+
+
+def test_det_may_not_run_a_non_deterministic_program(scratch):
+    data, edit = scratch
+    edit("routes.toml", 'program = "det_pair_c64" }', 'program = "fast_single_b2" }')
+    with pytest.raises(RegistryError, match="det may not run non-deterministic program"):
+        build_registry(data)
+
+
+def test_forward_table_may_not_name_a_backward_program(scratch):
+    data, edit = scratch
+    edit("routes.toml", '"fwd_rows4"', '"det_pair_c64"')
+    with pytest.raises(RegistryError, match="'det_pair_c64' is a bwd program"):
+        build_registry(data)
+
+
+def test_program_params_must_match_its_kernel(scratch):
+    data, edit = scratch
+    edit("programs.toml", "params = { chunk_rows = 64 }", "params = { rows = 64 }")
+    with pytest.raises(RegistryError, match="program 'det_pair_c64': params"):
+        build_registry(data)
