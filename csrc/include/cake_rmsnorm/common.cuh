@@ -133,6 +133,19 @@ inline cudaError_t sm_count(int* out) {
   if (e != cudaSuccess) return e;
   return cudaDeviceGetAttribute(out, cudaDevAttrMultiProcessorCount, dev);
 }
+// Resident blocks per SM of a kernel (queried once per process and kernel; a library serves one arch).
+template <class Kernel>
+inline int blocks_per_sm(Kernel kernel, int threads, size_t smem, int fallback) {
+  static const int n = [&] {
+    int b = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, threads, smem) != cudaSuccess || b < 1) {
+      (void)cudaGetLastError();
+      b = fallback;
+    }
+    return b;
+  }();
+  return n;
+}
 inline int grid_capped(int64_t want, int cap) {
   if (cap > 0 && want > cap) want = cap;
   if (want < 1) want = 1;

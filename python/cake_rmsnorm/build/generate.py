@@ -2,14 +2,10 @@
 
 The generated source instantiates the program's template for the library's (H, weight dtype,
 residual) and exports the C ABI of csrc/include/cake_rmsnorm/abi.h through csrc/bindings/export.cuh.
-Files are written only when their content changes, so a no-op build touches nothing.
+Files are written (build/atomic.py) only when their content changes, so a no-op build touches nothing.
 """
 
 from __future__ import annotations
-
-import os
-import tempfile
-from pathlib import Path
 
 from ..registry import Library
 
@@ -34,24 +30,3 @@ def render_source(lib: Library) -> str:
         f'{"CAKE_WEIGHT_FP32" if lib.weight_dtype == "fp32" else "CAKE_WEIGHT_BF16"}, '
         f"{1 if lib.residual else 0})\n"
     )
-
-
-def write_if_changed(path: Path, text: str) -> bool:
-    """Atomically write `text` to `path` unless it already holds exactly that; True if written."""
-    path = Path(path)
-    try:
-        if path.read_text() == text:
-            return False
-    except OSError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return True

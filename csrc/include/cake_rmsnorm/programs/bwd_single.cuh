@@ -1,0 +1,126 @@
+/* fast backward, single form: cake::BwdSingle<H, WeightT, kResidual, kBlocksPerSm>  (blocked_fp32)
+ *
+ * One kernel. grid = min(sm_count * kBlocksPerSm, grid_cap, ceil(T / kGroups)); block b takes the
+ * contiguous rows [b*per, (b+1)*per), per = ceil(T / grid). A block holds kGroups row groups
+ * (RowLayout, at most 512 threads per row; several groups of 32..128 threads for small H); group g
+ * takes rows r0+g, r0+g+kGroups, ... For each row it computes dx (bwd_row, the same code as det)
+ * and adds the dw terms of its columns into per-thread FP32 block sums; every kBlockRows rows a block
+ * sum is added into a per-thread FP64 running total (blocked FP32: each FP32 sum has <= 32 terms,
+ * so long ranges stay inside the budget). Each group then atomicAdd(double)s its totals into the
+ * workspace FP64 accumulator [H]; after a __threadfence the block bumps an atomic counter and the
+ * last block to arrive converts the accumulator into dw (weight dtype, rounded once).
+ * The order of the FP64 atomics is not fixed: dw is not bitwise reproducible (fast backend); dx is.
+ * The library zeroes the workspace (memsetAsync on the stream) before the kernel.
+ * workspace_bytes = align256(H * 8) + 256 (accumulator, then the counter), independent of T.
+ */
+#ifndef CAKE_RMSNORM_PROGRAMS_BWD_SINGLE_CUH
+#define CAKE_RMSNORM_PROGRAMS_BWD_SINGLE_CUH
+
+#include "cake_rmsnorm/abi.h"
+#include "cake_rmsnorm/bwd_row.cuh"
+#include "cake_rmsnorm/common.cuh"
+
+namespace cake {
+
+template <class P>
+__global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) bwd_single_kernel(const cake_bwd_args_t a) {
+  P::run(a);
+}
+
+template <int H, class W, bool kRes, int kBlocksPerSm>
+struct BwdSingle {
+  static_assert(kBlocksPerSm >= 1, "blocks_per_sm must be positive");
+  using L = RowLayout<H, 512>;
+  static constexpr int kGroups = cmax(1, 256 / L::kTPR);
+  static constexpr int kThreads = kGroups * L::kTPR;
+  static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * 128));  // <= 128 registers
+  static constexpr int kBlockRows = 32;  // rows per FP32 block sum
+  static constexpr int kHidden = H;
+  static constexpr bool kResidual = kRes;
+  using WeightT = W;
+  static constexpr int kSmemBytes = kReduceScratchBytes;
+  static constexpr size_t kCounterOffset = align256(sizeof(double) * H);
+
+  static size_t workspace_bytes(int64_t /*T*/, int /*sm_count*/) { return kCounterOffset + 256; }
+
+  static __device__ __forceinline__ void run(const cake_bwd_args_t& a) {
+    float* scratch = reinterpret_cast<float*>(dyn_smem());
+    const int g = threadIdx.x / L::kTPR;
+    const int t = threadIdx.x % L::kTPR;
+    const int warp = threadIdx.x / kWarpSize;
+    const W* w = static_cast<const W*>(a.weight);
+    double* acc = static_cast<double*>(a.workspace);
+    unsigned* counter = reinterpret_cast<unsigned*>(static_cast<char*>(a.workspace) + kCounterOffset);
+
+    const int64_t per = (a.T + gridDim.x - 1) / gridDim.x;
+    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * per;
+    const int64_t r1 = r0 + per < a.T ? r0 + per : a.T;
+    const int64_t n = r1 > r0 ? r1 - r0 : 0;
+    const int64_t iters = (n + kGroups - 1) / kGroups;
+
+    float blk[L::kCols];
+    double tot[L::kCols];
+#pragma unroll
+    for (int i = 0; i < L::kCols; ++i) {
+      blk[i] = 0.f;
+      tot[i] = 0.0;
+    }
+    int in_block = 0;
+#pragma unroll 1
+    for (int64_t it = 0; it < iters; ++it) {  // block-uniform trip count
+      const int64_t row = r0 + it * kGroups + g;
+      const bool active = row < r1;
+      const int64_t off = row * H;
+      const bf16* dres = kRes && a.dresidual_out ? static_cast<const bf16*>(a.dresidual_out) + off
+                                                 : nullptr;
+      bwd_row<H, L, W, kRes>(static_cast<const bf16*>(a.dy) + off, static_cast<const bf16*>(a.x) + off,
+                             dres, w, active ? __ldg(a.rstd + row) : 0.f, static_cast<bf16*>(a.dx) + off,
+                             active, t, scratch, warp, g * L::kWarps,
+                             [&](int i, float term) { blk[i] += term; });
+      if (++in_block == kBlockRows) {
+        in_block = 0;
+#pragma unroll
+        for (int i = 0; i < L::kCols; ++i) {
+          tot[i] += static_cast<double>(blk[i]);
+          blk[i] = 0.f;
+        }
+      }
+    }
+    if (g < n) {  // this group saw at least one row
+#pragma unroll
+      for (int k = 0; k < L::kVPT; ++k) {
+        if (!L::valid(k, t)) continue;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          atomicAdd(acc + L::vec(k, t) * kVec + e, tot[k * kVec + e] + static_cast<double>(blk[k * kVec + e]));
+        }
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    int* last = reinterpret_cast<int*>(scratch);
+    if (threadIdx.x == 0) *last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (*last) {
+      __threadfence();
+      for (int j = threadIdx.x; j < H; j += kThreads) st_dw(static_cast<W*>(a.dw), j, __ldcg(acc + j));
+    }
+  }
+
+  static cudaError_t launch(const cake_bwd_args_t& a, cudaStream_t st) {
+    if (a.T <= 0) return cudaSuccess;
+    int sm = 0;
+    cudaError_t e = sm_count(&sm);
+    if (e != cudaSuccess) return e;
+    e = cudaMemsetAsync(a.workspace, 0, workspace_bytes(a.T, sm), st);
+    if (e != cudaSuccess) return e;
+    const int64_t groups = (a.T + kGroups - 1) / kGroups;
+    const int64_t want = static_cast<int64_t>(sm) * kBlocksPerSm;
+    bwd_single_kernel<BwdSingle><<<grid_capped(want < groups ? want : groups, a.grid_cap), kThreads, kSmemBytes, st>>>(a);
+    return cudaSuccess;
+  }
+};
+
+}  // namespace cake
+
+#endif  // CAKE_RMSNORM_PROGRAMS_BWD_SINGLE_CUH

@@ -1,0 +1,382 @@
+"""The op: `rms_norm(x, weight, eps, residual, backend)` as torch.library custom ops.
+
+    cake_rmsnorm::fwd(x, weight, eps, backend) -> (y, rstd)
+    cake_rmsnorm::fwd_residual(x, residual, weight, eps, backend) -> (y, h, rstd)
+    cake_rmsnorm::bwd(dy, dresidual_out?, x, weight, rstd, backend, residual) -> (dx, dw)
+
+x is [T, H] bf16 (the wrapper flattens leading dims), weight [H] fp32 or bf16. The ops are opaque
+to torch.compile (register_fake gives their shapes) and launch through the provider's C ABI on
+torch's current stream: no host sync, every buffer from torch's allocator (CUDA-graph safe).
+Importing this module imports torch and reads the registry; it loads no library and creates no
+CUDA context.
+"""
+
+import bisect
+import os
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from .registry import TableKey, load_registry
+from .runtime import abi, device, loader
+
+__all__ = ["rms_norm", "resolve_backend", "set_grid_cap", "get_grid_cap"]
+
+_REGISTRY = load_registry()
+WIDTHS: Tuple[int, ...] = _REGISTRY.widths
+BACKENDS: Tuple[str, ...] = _REGISTRY.backends
+_WIDTH_SET = frozenset(WIDTHS)
+_WEIGHT_DTYPES: Dict[torch.dtype, str] = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+_NULL = 0
+
+
+def _env_grid_cap() -> int:
+    text = os.environ.get("CAKE_RMSNORM_GRID_CAP", "").strip()
+    try:
+        value = int(text) if text else 0
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"CAKE_RMSNORM_GRID_CAP={text!r}: expected an integer >= 0 "
+                         f"(0 = each library's own grid)")
+    return value
+
+
+# Backward grid cap: 0 = each library's own grid; else at most that many blocks per kernel.
+_grid_cap: int = _env_grid_cap()
+
+
+def set_grid_cap(blocks: int) -> None:
+    """Cap the backward's blocks per kernel (0 = the library's own grid); det's bits do not change."""
+    global _grid_cap
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
+        raise ValueError(f"grid_cap must be an int >= 0, got {blocks!r}")
+    _grid_cap = blocks
+
+
+def get_grid_cap() -> int:
+    return _grid_cap
+
+
+# ---- routing (cached per device and route table; bisect per call) ----------------------------
+class _Table:
+    __slots__ = ("info", "firsts", "libs")
+
+    def __init__(self, info: device.DeviceInfo, firsts: List[int]) -> None:
+        self.info = info
+        self.firsts = firsts
+        self.libs: List[Optional[abi.Library]] = [None] * len(firsts)
+
+
+_tables: Dict[tuple, _Table] = {}
+
+
+def _library(index: int, backend: str, direction: str, hidden: int, tokens: int,
+             weight_dtype: str, residual: bool) -> Tuple[abi.Library, int]:
+    """The loaded library for this point and the device's SM count."""
+    key = (index, backend, direction, hidden, weight_dtype, residual)
+    table = _tables.get(key)
+    if table is None:
+        info = device.device_info(index)
+        windows = _REGISTRY.table(TableKey(info.arch.name, backend, direction, weight_dtype,
+                                           residual, hidden))
+        table = _tables.setdefault(key, _Table(info, [w.first for w in windows]))
+    i = bisect.bisect_right(table.firsts, tokens) - 1
+    lib = table.libs[i]
+    if lib is None:
+        route = _REGISTRY.route(table.info.arch.name, backend, direction, hidden, table.firsts[i],
+                                weight_dtype, residual)
+        lib = table.libs[i] = loader.load_library(table.info.arch, route.library)
+    return lib, table.info.sm_count
+
+
+def _stream(index: int) -> int:
+    get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_raw is not None:
+        return int(get_raw(index))
+    return int(torch.cuda.current_stream(index).cuda_stream)
+
+
+def _like(t: Tensor) -> Tensor:
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def _ready(t: Tensor) -> Tensor:
+    """Row-major and 16-byte aligned, as the ABI requires."""
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _check_op(x: Tensor, weight: Tensor, *like_x: Optional[Tensor]) -> None:
+    """The ops' own guard (they may be called directly): wrong dtypes or shapes never reach a
+    kernel. The public rms_norm has already given the detailed error."""
+    _check_device(x, weight, None)
+    ok = (x.dim() == 2 and x.dtype == torch.bfloat16 and weight.dtype in _WEIGHT_DTYPES
+          and weight.shape == (x.shape[1],))
+    for t in like_x:
+        ok = ok and (t is None or (t.shape == x.shape and t.dtype == torch.bfloat16
+                                   and t.device == x.device))
+    if not ok:
+        raise ValueError("cake_rmsnorm ops take x, residual, dy as [T, H] bf16 CUDA tensors and "
+                         f"weight [H] fp32/bf16 on x's device; got x {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}, weight {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+
+
+class _OnDevice:
+    """Make `index` the current CUDA device for the call (a no-op when it already is)."""
+
+    __slots__ = ("index", "prev")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.prev = -1
+
+    def __enter__(self) -> None:
+        cur = torch.cuda.current_device()
+        if cur != self.index:
+            self.prev = cur
+            torch.cuda.set_device(self.index)
+
+    def __exit__(self, *exc) -> None:
+        if self.prev >= 0:
+            torch.cuda.set_device(self.prev)
+
+
+def _launch_fwd(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+                backend: str) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+    _check_op(x, weight, residual)
+    tokens, hidden = x.shape
+    y = _like(x)
+    h = None if residual is None else _like(x)
+    rstd = torch.empty((tokens,), dtype=torch.float32, device=x.device)
+    if tokens == 0:
+        return y, h, rstd
+    x, weight = _ready(x), _ready(weight)
+    index = x.device.index
+    lib, _ = _library(index, backend, "fwd", hidden, tokens, _WEIGHT_DTYPES[weight.dtype],
+                      residual is not None)
+    with _OnDevice(index):
+        if residual is None:
+            lib.fwd(x.data_ptr(), _NULL, weight.data_ptr(), y.data_ptr(), _NULL, rstd.data_ptr(),
+                    tokens, eps, _stream(index))
+        else:
+            residual = _ready(residual)
+            lib.fwd(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), y.data_ptr(),
+                    h.data_ptr(), rstd.data_ptr(), tokens, eps, _stream(index))  # type: ignore
+    return y, h, rstd
+
+
+# ---- the custom ops ---------------------------------------------------------------------------
+@torch.library.custom_op("cake_rmsnorm::fwd", mutates_args=())
+def _fwd(x: Tensor, weight: Tensor, eps: float, backend: str) -> Tuple[Tensor, Tensor]:
+    y, _, rstd = _launch_fwd(x, None, weight, eps, backend)
+    return y, rstd
+
+
+@_fwd.register_fake
+def _fwd_fake(x: Tensor, weight: Tensor, eps: float, backend: str) -> Tuple[Tensor, Tensor]:
+    return _like(x), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op("cake_rmsnorm::fwd_residual", mutates_args=())
+def _fwd_residual(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                  backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    y, h, rstd = _launch_fwd(x, residual, weight, eps, backend)
+    return y, h, rstd  # type: ignore[return-value]
+
+
+@_fwd_residual.register_fake
+def _fwd_residual_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                       backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    return _like(x), _like(x), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+def _launch_bwd(dy: Tensor, dresidual_out: Optional[Tensor], x: Tensor, weight: Tensor,
+                rstd: Tensor, backend: str, residual: bool) -> Tuple[Tensor, Tensor]:
+    _check_op(x, weight, dy, dresidual_out)
+    if rstd.shape != (x.shape[0],) or rstd.dtype != torch.float32 or rstd.device != x.device:
+        raise ValueError(f"rstd must be [T] float32 on x's device, got {rstd.dtype} "
+                         f"{tuple(rstd.shape)} on {rstd.device}")
+    tokens, hidden = x.shape
+    dx = _like(x)
+    dw = _like(weight)
+    if tokens == 0:
+        return dx, dw.zero_()
+    dy, x, weight, rstd = _ready(dy), _ready(x), _ready(weight), _ready(rstd)
+    index = x.device.index
+    lib, sm_count = _library(index, backend, "bwd", hidden, tokens, _WEIGHT_DTYPES[weight.dtype],
+                             residual)
+    ws_bytes = lib.bwd_workspace_bytes(tokens, sm_count)
+    workspace = torch.empty((max(ws_bytes, 1),), dtype=torch.uint8, device=x.device)
+    dres_ptr = _NULL
+    if dresidual_out is not None:
+        dresidual_out = _ready(dresidual_out)
+        dres_ptr = dresidual_out.data_ptr()
+    with _OnDevice(index):
+        lib.bwd(dy.data_ptr(), dres_ptr, x.data_ptr(), weight.data_ptr(), rstd.data_ptr(),
+                dx.data_ptr(), dw.data_ptr(), workspace.data_ptr(), ws_bytes, tokens, _grid_cap,
+                _stream(index))
+    return dx, dw
+
+
+@torch.library.custom_op("cake_rmsnorm::bwd", mutates_args=())
+def _bwd(dy: Tensor, dresidual_out: Optional[Tensor], x: Tensor, weight: Tensor, rstd: Tensor,
+         backend: str, residual: bool) -> Tuple[Tensor, Tensor]:
+    return _launch_bwd(dy, dresidual_out, x, weight, rstd, backend, residual)
+
+
+@_bwd.register_fake
+def _bwd_fake(dy: Tensor, dresidual_out: Optional[Tensor], x: Tensor, weight: Tensor,
+              rstd: Tensor, backend: str, residual: bool) -> Tuple[Tensor, Tensor]:
+    return _like(x), _like(weight)
+
+
+def _fwd_setup(ctx, inputs, output) -> None:
+    x, weight, _eps, backend = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.backend = backend
+
+
+def _fwd_backward(ctx, dy: Tensor, _drstd: Optional[Tensor]):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _bwd(dy, None, x, weight, rstd, ctx.backend, False)
+    return dx, dw, None, None
+
+
+def _res_setup(ctx, inputs, output) -> None:
+    _x, _residual, weight, _eps, backend = inputs
+    ctx.save_for_backward(output[1], weight, output[2])  # h is what was normalised
+    ctx.backend = backend
+
+
+def _res_backward(ctx, dy: Tensor, dh: Optional[Tensor], _drstd: Optional[Tensor]):
+    h, weight, rstd = ctx.saved_tensors
+    dx, dw = _bwd(dy, dh, h, weight, rstd, ctx.backend, True)
+    return dx, dx, dw, None, None
+
+
+torch.library.register_autograd("cake_rmsnorm::fwd", _fwd_backward, setup_context=_fwd_setup)
+torch.library.register_autograd("cake_rmsnorm::fwd_residual", _res_backward,
+                                setup_context=_res_setup)
+
+
+# ---- eager fast path: the same launches without the custom-op dispatch -------------------------
+class _Eager(torch.autograd.Function):
+    """What the custom ops do, as one autograd.Function: in eager mode it saves the dispatcher's
+    per-call cost (about 4x the launch itself). torch.compile and any tensor subclass, dispatch
+    mode or functorch transform take the custom ops instead."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, backend):  # type: ignore[override]
+        y, h, rstd = _launch_fwd(x, residual, weight, eps, backend)
+        ctx.save_for_backward(x if h is None else h, weight, rstd)
+        ctx.backend, ctx.residual = backend, h is not None
+        return y if h is None else (y, h)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):  # type: ignore[override]
+        xn, weight, rstd = ctx.saved_tensors
+        dx, dw = _launch_bwd(dy, dh, xn, weight, rstd, ctx.backend, ctx.residual)
+        return dx, (dx if ctx.residual else None), dw, None, None
+
+
+# Set False to send eager calls through the custom ops too (the env var sets it at import).
+EAGER_FAST_PATH: bool = os.environ.get("CAKE_RMSNORM_EAGER_CUSTOM_OP", "") in ("", "0")
+_PLAIN = (Tensor, torch.nn.Parameter)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def _eager(x: Tensor, weight: Tensor, residual: Optional[Tensor]) -> bool:
+    if not EAGER_FAST_PATH or torch.compiler.is_compiling():
+        return False
+    return (type(x) in _PLAIN and type(weight) in _PLAIN
+            and (residual is None or type(residual) in _PLAIN)
+            and _get_current_dispatch_mode() is None and not _functorch_active())
+
+
+# ---- the public op ----------------------------------------------------------------------------
+def resolve_backend(backend: Optional[str]) -> str:
+    """None → "det" under torch.use_deterministic_algorithms(True), else "fast"."""
+    if backend is None:
+        return "det" if torch.are_deterministic_algorithms_enabled() else "fast"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(map(repr, BACKENDS))} "
+                         f"(or None: det when deterministic algorithms are enabled, else fast)")
+    return backend
+
+
+def _check(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float) -> None:
+    """Every argument error, raised before anything is launched."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x has dtype {x.dtype}; cake_rmsnorm accepts torch.bfloat16 x only")
+    if x.dim() < 1:
+        raise ValueError(f"x must have at least one dimension (..., H), got shape {tuple(x.shape)}")
+    hidden = x.shape[-1]
+    if hidden not in _WIDTH_SET:
+        raise ValueError(f"x has hidden size H={hidden} (shape {tuple(x.shape)}); accepted H: "
+                         f"{', '.join(map(str, WIDTHS))}")
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype not in _WEIGHT_DTYPES:
+        raise TypeError(f"weight has dtype {weight.dtype}; accepted: torch.float32, torch.bfloat16")
+    if tuple(weight.shape) != (hidden,):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({hidden},) to match "
+                         f"x's last dimension")
+    if residual is not None:
+        if not isinstance(residual, Tensor):
+            raise TypeError(f"residual must be a torch.Tensor or None, got "
+                            f"{type(residual).__name__}")
+        if residual.dtype != torch.bfloat16:
+            raise TypeError(f"residual has dtype {residual.dtype}; accepted: torch.bfloat16")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual has shape {tuple(residual.shape)}; expected x's shape "
+                             f"{tuple(x.shape)}")
+    if (isinstance(eps, bool) or not isinstance(eps, (int, float))
+            or not 0.0 <= eps < float("inf")):
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    _check_device(x, weight, residual)
+
+
+def _check_device(x: Tensor, weight: Tensor, residual: Optional[Tensor]) -> None:
+    if x.device.type != "cuda":
+        raise ValueError(f"x is on device {x.device}; cake_rmsnorm runs on CUDA devices only")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}: they must share a device")
+    if residual is not None and residual.device != x.device:
+        raise ValueError(f"residual is on {residual.device}, x on {x.device}: they must share "
+                         f"a device")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Optional[Tensor] = None,
+             backend: Optional[str] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """y = bf16(x · rstd · weight) over the last dim; with `residual`, h = x + residual is
+    normalised and (y, h) returned. backend: "det" (bitwise-reproducible backward), "fast", or None
+    (det when torch.are_deterministic_algorithms_enabled(), else fast)."""
+    backend = resolve_backend(backend)
+    _check(x, weight, residual, eps)
+    shape = x.shape
+    hidden = shape[-1]
+    flat = len(shape) == 2
+
+    def rows(t: Tensor) -> Tensor:
+        t = t.contiguous()
+        return t if flat else t.view(-1, hidden)
+
+    def back(t: Tensor) -> Tensor:
+        return t if flat else t.view(shape)
+
+    x2, weight = rows(x), weight.contiguous()
+    r2 = None if residual is None else rows(residual)
+    if _eager(x, weight, residual):
+        out = _Eager.apply(x2, r2, weight, float(eps), backend)
+        return back(out) if r2 is None else (back(out[0]), back(out[1]))
+    if r2 is None:
+        return back(_fwd(x2, weight, float(eps), backend)[0])
+    y, h, _ = _fwd_residual(x2, r2, weight, float(eps), backend)
+    return back(y), back(h)

@@ -1,0 +1,187 @@
+"""ctypes mirror of csrc/include/cake_rmsnorm/abi.h and a wrapper around one loaded library.
+
+Keep the structs here field-for-field equal to the header: tests/test_runtime_cpu.py compiles a
+host-only stub against the real header and checks the layout through these classes.
+No torch, no CUDA at import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+from typing import Optional
+
+from ..errors import LaunchError, ProviderError
+
+CAKE_ABI_VERSION = 1
+CAKE_DIRECTION_FWD = 0
+CAKE_DIRECTION_BWD = 1
+CAKE_WEIGHT_FP32 = 0
+CAKE_WEIGHT_BF16 = 1
+
+DIRECTION_CODES = {"fwd": CAKE_DIRECTION_FWD, "bwd": CAKE_DIRECTION_BWD}
+WEIGHT_CODES = {"fp32": CAKE_WEIGHT_FP32, "bf16": CAKE_WEIGHT_BF16}
+
+
+class CakeInfo(ctypes.Structure):
+    _fields_ = [
+        ("abi_version", ctypes.c_int32),
+        ("direction", ctypes.c_int32),
+        ("hidden", ctypes.c_int32),
+        ("weight_dtype", ctypes.c_int32),
+        ("residual", ctypes.c_int32),
+        ("smem_bytes", ctypes.c_int32),
+        ("program", ctypes.c_char_p),
+    ]
+
+
+class FwdArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("residual", ctypes.c_void_p),
+        ("weight", ctypes.c_void_p),
+        ("y", ctypes.c_void_p),
+        ("residual_out", ctypes.c_void_p),
+        ("rstd", ctypes.c_void_p),  # float*
+        ("T", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+    ]
+
+
+class BwdArgs(ctypes.Structure):
+    _fields_ = [
+        ("dy", ctypes.c_void_p),
+        ("dresidual_out", ctypes.c_void_p),
+        ("x", ctypes.c_void_p),
+        ("weight", ctypes.c_void_p),
+        ("rstd", ctypes.c_void_p),  # const float*
+        ("dx", ctypes.c_void_p),
+        ("dw", ctypes.c_void_p),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+        ("T", ctypes.c_int64),
+        ("grid_cap", ctypes.c_int32),
+    ]
+
+
+class _PerThread(threading.local):
+    """One reusable args struct per thread: the library reads it synchronously during the call."""
+
+    fwd: Optional[FwdArgs] = None
+    bwd: Optional[BwdArgs] = None
+
+
+class Library:
+    """One loaded cake library: its ctypes functions, checked against what the registry expects."""
+
+    def __init__(self, name: str, path: Path, cdll: ctypes.CDLL, info: CakeInfo,
+                 direction: str) -> None:
+        self.name = name
+        self.path = path
+        self.cdll = cdll
+        self.info = info
+        self.direction = direction
+        self.program = (info.program or b"").decode("utf-8", "replace")
+        self._local = _PerThread()
+        self._fwd = self._bwd = self._ws = None
+        if direction == "fwd":
+            self._fwd = _function(cdll, name, "cake_fwd", ctypes.c_int,
+                                  [ctypes.POINTER(FwdArgs), ctypes.c_void_p])
+        else:
+            self._ws = _function(cdll, name, "cake_bwd_workspace_bytes", ctypes.c_size_t,
+                                 [ctypes.c_int64, ctypes.c_int32])
+            self._bwd = _function(cdll, name, "cake_bwd", ctypes.c_int,
+                                  [ctypes.POINTER(BwdArgs), ctypes.c_void_p])
+
+    @classmethod
+    def open(cls, path: Path, *, name: str, program: str, direction: str, hidden: int,
+             weight_dtype: str, residual: bool, mode: int = ctypes.DEFAULT_MODE) -> "Library":
+        """dlopen `path` (absolute) and check its cake_info against the registry's library."""
+        try:
+            cdll = ctypes.CDLL(str(path), mode=mode)
+        except OSError as exc:
+            raise ProviderError(f"cannot load library {name} from {path}: {exc}") from exc
+        info_fn = _function(cdll, name, "cake_info", ctypes.c_int, [ctypes.POINTER(CakeInfo)])
+        info = CakeInfo()
+        rc = info_fn(ctypes.byref(info))
+        if rc != 0:
+            raise ProviderError(f"library {name} ({path}): cake_info returned error {rc}")
+        expected = {
+            "abi_version": CAKE_ABI_VERSION,
+            "direction": DIRECTION_CODES[direction],
+            "hidden": hidden,
+            "weight_dtype": WEIGHT_CODES[weight_dtype],
+            "residual": int(bool(residual)),
+        }
+        wrong = [f"{k} {getattr(info, k)} (expected {v})" for k, v in expected.items()
+                 if getattr(info, k) != v]
+        got_program = (info.program or b"").decode("utf-8", "replace")
+        if got_program != program:
+            wrong.append(f"program {got_program!r} (expected {program!r})")
+        if wrong:
+            raise ProviderError(f"library {name} ({path}) does not match the registry: "
+                                + "; ".join(wrong) + ". Reinstall the provider wheel of this "
+                                "cake-rmsnorm version.")
+        return cls(name, Path(path), cdll, info, direction)
+
+    # ---- calls (hot path) --------------------------------------------------------------------
+    def fwd(self, x: int, residual: int, weight: int, y: int, residual_out: int, rstd: int,
+            tokens: int, eps: float, stream: int) -> None:
+        args = self._local.fwd
+        if args is None:
+            args = self._local.fwd = FwdArgs()
+        args.x, args.residual, args.weight = x, residual, weight
+        args.y, args.residual_out, args.rstd = y, residual_out, rstd
+        args.T, args.eps = tokens, eps
+        rc = self._fwd(args, stream)  # type: ignore[misc]
+        if rc:
+            raise LaunchError(_launch_message(self.name, "cake_fwd", rc))
+
+    def bwd_workspace_bytes(self, tokens: int, sm_count: int) -> int:
+        return int(self._ws(tokens, sm_count))  # type: ignore[misc]
+
+    def bwd(self, dy: int, dresidual_out: int, x: int, weight: int, rstd: int, dx: int, dw: int,
+            workspace: int, workspace_bytes: int, tokens: int, grid_cap: int, stream: int) -> None:
+        args = self._local.bwd
+        if args is None:
+            args = self._local.bwd = BwdArgs()
+        args.dy, args.dresidual_out, args.x, args.weight = dy, dresidual_out, x, weight
+        args.rstd, args.dx, args.dw = rstd, dx, dw
+        args.workspace, args.workspace_bytes = workspace, workspace_bytes
+        args.T, args.grid_cap = tokens, grid_cap
+        rc = self._bwd(args, stream)  # type: ignore[misc]
+        if rc:
+            raise LaunchError(_launch_message(self.name, "cake_bwd", rc))
+
+    def __repr__(self) -> str:
+        return f"<cake library {self.name} at {self.path}>"
+
+
+def _function(cdll: ctypes.CDLL, lib_name: str, symbol: str, restype, argtypes):
+    try:
+        fn = getattr(cdll, symbol)
+    except AttributeError:
+        raise ProviderError(f"library {lib_name} does not export {symbol}: not a cake-rmsnorm "
+                            f"library of ABI version {CAKE_ABI_VERSION}") from None
+    fn.restype = restype
+    fn.argtypes = argtypes
+    return fn
+
+
+_error_name = None  # set by the loader once libcudart is known: int -> str
+
+
+def set_error_namer(namer) -> None:
+    global _error_name
+    _error_name = namer
+
+
+def _launch_message(lib_name: str, symbol: str, rc: int) -> str:
+    name = ""
+    if _error_name is not None:
+        try:
+            name = f" ({_error_name(rc)})"
+        except Exception:  # naming the error must never hide it
+            name = ""
+    return f"{symbol} of library {lib_name} failed: CUDA error {rc}{name}"
