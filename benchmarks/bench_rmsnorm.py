@@ -48,10 +48,11 @@ def graph_time_ms(fn, reps: int = 20) -> float:
 
 
 def copy_bandwidth_gbs() -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    """Device-to-device copy of 1 GiB of 16-byte vectors, bytes read plus written."""
+    src = torch.empty(1 << 26, 4, dtype=torch.float32, device="cuda").normal_()
     dst = torch.empty_like(src)
     ms = graph_time_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms / 1e6
+    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def eager_rmsnorm(x, w, eps):

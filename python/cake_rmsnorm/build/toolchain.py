@@ -191,5 +191,5 @@ def require_cuobjdump() -> Path:
     found = find_cuobjdump()
     if found is None:
         raise ToolchainError(f"cuobjdump not found (the nvidia-cuda-cuobjdump wheel, or PATH); "
-                             f"fix: {FIX}")
+                             "fix: pip install 'nvidia-cuda-cuobjdump>=13.4,<14'")
     return found
