@@ -106,6 +106,7 @@ def _fake_nvcc(tmp_path: Path, version: str, archs: str) -> Path:
     return nvcc
 
 
+@pytest.mark.faults
 def test_preflight_rejects_old_nvcc_in_one_message(tmp_path, monkeypatch):
     monkeypatch.setenv("CAKE_NVCC", str(_fake_nvcc(tmp_path, "13.0.88", "compute_90")))
     with pytest.raises(ToolchainError) as err:
@@ -116,6 +117,7 @@ def test_preflight_rejects_old_nvcc_in_one_message(tmp_path, monkeypatch):
     assert text.count("pip install") == 1
 
 
+@pytest.mark.faults
 def test_preflight_names_arch_nvcc_cannot_target(tmp_path, monkeypatch):
     monkeypatch.setenv("CAKE_NVCC", str(_fake_nvcc(tmp_path, "13.4.10", "compute_90 compute_100")))
     with pytest.raises(ToolchainError, match="cannot target sm_107a"):
@@ -145,6 +147,7 @@ def test_depfile_parsing_keeps_escaped_spaces():
     assert _split_make_deps(text) == ["a.cu", "/x/my dir/b.h", "c.h"]
 
 
+@pytest.mark.faults
 def test_oversized_library_is_refused_before_compiling(tmp_path, monkeypatch):
     reg = load_registry()
     lib = reg.libraries(ARCH, WIDTHS)[0]
@@ -212,6 +215,7 @@ def test_touching_a_header_rebuilds_exactly_its_includers(built):
     assert summary.compiled == len(includers)
 
 
+@pytest.mark.faults
 @pytest.mark.toolchain
 def test_interrupted_compile_is_not_trusted(built):
     lib = built.libs()[0]
@@ -227,6 +231,7 @@ def test_interrupted_compile_is_not_trusted(built):
     assert summary.compiled == 1 and path.is_file() and not stale.exists()
 
 
+@pytest.mark.faults
 @pytest.mark.toolchain
 def test_library_that_disagrees_with_its_record_is_recompiled(built):
     lib = built.libs()[1]
@@ -237,6 +242,7 @@ def test_library_that_disagrees_with_its_record_is_recompiled(built):
     assert sha256_file(path) == json.loads(built.tree.ptxas_record(lib.name).read_text())["sha256"]
 
 
+@pytest.mark.faults
 @pytest.mark.toolchain
 def test_killed_build_leaves_nothing_trusted(built):
     header = built.libs()[0].program.kernel.header
@@ -285,6 +291,7 @@ def _kill_everything_touching(proc: subprocess.Popen, marker: str) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.faults
 @pytest.mark.toolchain
 def test_two_builds_serialise_on_the_lock(built):
     holder = subprocess.Popen(

@@ -48,11 +48,13 @@ def test_built_wheels_and_tree_verify_clean(built, wheels):
     assert verify_path(built.tree.root) == []
 
 
+@pytest.mark.faults
 def test_full_plan_reports_missing_libraries(wheels):
     problems = verify_path(_provider(wheels))
     assert problems and all("of the plan is missing" in p for p in problems)
 
 
+@pytest.mark.faults
 def test_corrupted_library_in_a_wheel_is_named(wheels, tmp_path):
     victim = "lib/" + sorted(_names(wheels))[0]
 
@@ -65,6 +67,7 @@ def test_corrupted_library_in_a_wheel_is_named(wheels, tmp_path):
     assert any(victim in p and "sha256" in p for p in problems), problems
 
 
+@pytest.mark.faults
 def test_corrupted_library_in_a_build_tree_is_named(built, tmp_path):
     copy = tmp_path / ARCH
     shutil.copytree(built.tree.root, copy, ignore=shutil.ignore_patterns("cmake", "gen"))
@@ -76,6 +79,7 @@ def test_corrupted_library_in_a_build_tree_is_named(built, tmp_path):
     assert len(problems) >= 1 and all(victim.name in p for p in problems), problems
 
 
+@pytest.mark.faults
 def test_wrong_version_in_manifest_is_reported(wheels, tmp_path):
     bad = tmp_path / _provider(wheels).name
 
@@ -87,6 +91,7 @@ def test_wrong_version_in_manifest_is_reported(wheels, tmp_path):
     assert any("version 0.0.0" in p for p in problems), problems
 
 
+@pytest.mark.faults
 def test_ptx_and_foreign_sass_are_reported(tmp_path):
     require_toolchain()
     tc = preflight([ARCH], need_cuobjdump=True)
@@ -115,6 +120,7 @@ def test_installed_providers(wheels, tmp_path, monkeypatch):
     assert problems and all(victim.name in p for p in problems), problems
 
 
+@pytest.mark.faults
 def test_nothing_installed_is_a_problem(monkeypatch):
     import importlib.util
     real = importlib.util.find_spec

@@ -63,6 +63,7 @@ def test_source_date_epoch_sets_the_timestamp(tmp_path, monkeypatch):
         assert {i.date_time for i in zf.infolist()} == {(2023, 11, 14, 22, 13, 20)}
 
 
+@pytest.mark.faults
 def test_full_disk_leaves_no_partial_wheel(tmp_path, monkeypatch):
     """The disk fills after the first bytes of the wheel file: nothing is left in the folder."""
     real_fdopen = os.fdopen
@@ -90,6 +91,7 @@ def test_full_disk_leaves_no_partial_wheel(tmp_path, monkeypatch):
     assert list((tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.faults
 def test_unbuilt_arch_is_refused(tmp_path):
     with pytest.raises(PackagingError, match=r"sm_90a is not built"):
         write_wheels([ARCH], tmp_path / "out", tmp_path / "build", default_source_root())

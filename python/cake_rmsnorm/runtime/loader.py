@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -25,7 +26,11 @@ from ..registry import Library as RegistryLibrary
 from . import abi
 
 ENV_PROVIDER_DIR = "CAKE_RMSNORM_PROVIDER_DIR"
-CUDART_SONAME = "libcudart.so.13"
+# The provider libraries link the CUDA 13 runtime; CUDA's minor-version compatibility lets them run
+# on any driver that supports CUDA 13.0 (the R580 branch or newer).
+CUDA_MAJOR = 13
+CUDART_SONAME = f"libcudart.so.{CUDA_MAJOR}"
+MIN_DRIVER_CUDA = CUDA_MAJOR * 1000  # cudaDriverGetVersion's encoding: 1000 * major + 10 * minor
 
 
 def pip_command(arch: Arch, force: bool = False) -> str:
@@ -84,11 +89,30 @@ def ensure_cudart() -> ctypes.CDLL:
                         f"found (tried {', '.join(tried) or 'no nvidia wheel'} and the system "
                         f"library path: {exc}); run: pip install 'nvidia-cuda-runtime>=13,<14'"
                     ) from exc
+        _check_driver(_driver_cuda_version(handle))
         get_name = handle.cudaGetErrorName
         get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.c_int]
         abi.set_error_namer(lambda rc: (get_name(rc) or b"?").decode())
         _cudart = handle
         return handle
+
+
+def _driver_cuda_version(cudart: ctypes.CDLL) -> int:
+    """The CUDA version the installed driver supports (0: no driver). Tests patch this."""
+    version = ctypes.c_int(0)
+    if cudart.cudaDriverGetVersion(ctypes.byref(version)) != 0:
+        return 0
+    return version.value
+
+
+def _check_driver(version: int) -> None:
+    if version < MIN_DRIVER_CUDA:
+        have = (f"supports CUDA {version // 1000}.{version % 1000 // 10}" if version
+                else "is missing (cudaDriverGetVersion reports none)")
+        raise ProviderError(f"the NVIDIA driver {have}; cake-rmsnorm's provider libraries use the "
+                            f"CUDA {CUDA_MAJOR} runtime and need a driver that supports CUDA "
+                            f"{CUDA_MAJOR}.0 or newer (the R580 driver branch or later): update "
+                            f"the driver")
 
 
 # ---- providers ---------------------------------------------------------------------------------
@@ -167,7 +191,36 @@ def locate(arch: Arch) -> Path:
         raise ProviderError(f"no provider for this GPU's architecture {arch.name}: package "
                             f"{provider_distribution(arch.tag)} ({package}) is not installed; "
                             f"run: {pip_command(arch)}")
-    return Path(locations[0]).resolve()
+    root = Path(locations[0]).resolve()
+    _refuse_mixed_versions(arch, root, _installed_copies(package))
+    return root
+
+
+def _installed_copies(package: str) -> List[Path]:
+    """Every directory on sys.path that holds a copy of `package` with a manifest, in path order."""
+    found: List[Path] = []
+    for entry in sys.path:
+        candidate = (Path(entry or ".") / package).resolve()
+        if (candidate / MANIFEST_NAME).is_file() and candidate not in found:
+            found.append(candidate)
+    return found
+
+
+def _refuse_mixed_versions(arch: Arch, chosen: Path, copies: List[Path]) -> None:
+    """Two copies of one arch's provider at different versions (say a user site and a venv):
+    which one loads would depend on sys.path order, so refuse and name both."""
+    versions = {}
+    for copy in copies:
+        try:
+            versions[copy] = Manifest.read(copy / MANIFEST_NAME).version
+        except ManifestError:
+            versions[copy] = "unreadable"
+    if len(set(versions.values())) > 1:
+        listed = "; ".join(f"{path} (version {version})" for path, version in versions.items())
+        raise ProviderError(f"{len(versions)} copies of {provider_distribution(arch.tag)} are on "
+                            f"sys.path at different versions: {listed}; would load {chosen}. "
+                            f"Uninstall all but one (pip uninstall {provider_distribution(arch.tag)}"
+                            f" in each environment), then run: {pip_command(arch)}")
 
 
 def open_provider(arch: Arch, root: Path) -> Provider:
