@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,7 @@ def _lib(backend="det", direction="fwd", hidden=256, tokens=1, dtype="fp32", res
     return REG.route("sm_90a", backend, direction, hidden, tokens, dtype, residual).library
 
 
+@pytest.mark.faults
 def test_missing_provider_names_pip_command(monkeypatch):
     monkeypatch.setattr(loader, "_find_spec", lambda name: None)
     with pytest.raises(ProviderError) as err:
@@ -102,12 +104,14 @@ def test_missing_provider_names_pip_command(monkeypatch):
     assert f"pip install 'cake-rmsnorm[sm90a]=={cake_rmsnorm.__version__}'" in msg
 
 
+@pytest.mark.faults
 def test_env_dir_without_manifest(monkeypatch, tmp_path):
     monkeypatch.setenv(loader.ENV_PROVIDER_DIR, str(tmp_path))
     with pytest.raises(ProviderError, match="no manifest.json"):
         loader.provider_for(SM90)
 
 
+@pytest.mark.faults
 def test_provider_version_mismatch(monkeypatch, tmp_path):
     _make_provider(tmp_path, [_lib()], version="0.0.0")
     monkeypatch.setenv(loader.ENV_PROVIDER_DIR, str(tmp_path))
@@ -118,6 +122,7 @@ def test_provider_version_mismatch(monkeypatch, tmp_path):
     assert f"pip install 'cake-rmsnorm[sm90a]=={cake_rmsnorm.__version__}'" in msg
 
 
+@pytest.mark.faults
 def test_provider_for_another_arch(monkeypatch, tmp_path):
     _make_provider(tmp_path, [_lib()], arch="sm_100a")
     monkeypatch.setenv(loader.ENV_PROVIDER_DIR, str(tmp_path))
@@ -135,6 +140,7 @@ def test_provider_found_by_find_spec_without_import(monkeypatch, tmp_path):
     assert loader.provider_for(SM90) is provider  # cached
 
 
+@pytest.mark.faults
 def test_hash_mismatch_names_the_file(monkeypatch, tmp_path):
     lib = _lib()
     _make_provider(tmp_path, [lib])
@@ -147,6 +153,7 @@ def test_hash_mismatch_names_the_file(monkeypatch, tmp_path):
     assert lib.filename in msg and "sha256" in msg and "--force-reinstall" in msg
 
 
+@pytest.mark.faults
 def test_library_missing_from_manifest(monkeypatch, tmp_path):
     _make_provider(tmp_path, [_lib()])
     monkeypatch.setenv(loader.ENV_PROVIDER_DIR, str(tmp_path))
@@ -155,6 +162,7 @@ def test_library_missing_from_manifest(monkeypatch, tmp_path):
         loader.load_library(SM90, other)
 
 
+@pytest.mark.faults
 def test_unloadable_file_is_a_provider_error(monkeypatch, tmp_path):
     lib = _lib()
     _make_provider(tmp_path, [lib])
@@ -164,6 +172,7 @@ def test_unloadable_file_is_a_provider_error(monkeypatch, tmp_path):
         loader.load_library(SM90, lib)
 
 
+@pytest.mark.faults
 def test_unsupported_capability_lists_our_archs(monkeypatch):
     monkeypatch.setattr(device, "_query", lambda index: ("NVIDIA A100", (8, 0), 108))
     with pytest.raises(ProviderError) as err:
@@ -173,6 +182,7 @@ def test_unsupported_capability_lists_our_archs(monkeypatch):
     assert all(a.name in msg for a in REG.archs)
 
 
+@pytest.mark.faults
 def test_capability_is_matched_exactly(monkeypatch):
     monkeypatch.setattr(device, "_query", lambda index: ("NVIDIA B300?", (10, 1), 148))
     with pytest.raises(ProviderError, match="10.1"):
@@ -183,10 +193,12 @@ def test_capability_is_matched_exactly(monkeypatch):
     assert info.arch.name == "sm_90a" and info.sm_count == 132
 
 
-def test_cudart_from_the_runtime_wheel():
+def test_cudart_from_the_runtime_wheel(monkeypatch):
     paths = [p for p in loader._cudart_candidates() if p.is_file()]
     if not paths:
         pytest.skip("no nvidia-cuda-runtime wheel in this environment")
+    monkeypatch.setattr(loader, "_cudart", None, raising=False)  # the driver check runs again
+    monkeypatch.setattr(loader, "_driver_cuda_version", lambda handle: 13000)  # no driver here
     handle = loader.ensure_cudart()
     assert handle is loader.ensure_cudart()
     assert abi._launch_message("libx", "cake_fwd", 700).endswith(
@@ -248,6 +260,7 @@ def test_struct_layout_matches_header(tmp_path):
     assert [stub.stub_layout(i) for i in range(len(ours))] == ours
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("field,value", [("STUB_H", 512), ("STUB_W", 1), ("STUB_RES", 1),
                                          ("STUB_DIR", 1), ("STUB_ABI", 99),
                                          ("STUB_PROGRAM", '"other"')])
@@ -267,7 +280,7 @@ def stub_op(request, monkeypatch, tmp_path):
     """ops with a pretend H200 and stub libraries for H=256, fp32 weight (pointers only recorded);
     eager calls through the autograd.Function fast path, then through the custom ops."""
     torch = pytest.importorskip("torch")
-    from cake_rmsnorm import ops
+    from cake_rmsnorm import checks, ops
 
     monkeypatch.setattr(ops, "EAGER_FAST_PATH", request.param == "eager")
 
@@ -279,7 +292,7 @@ def stub_op(request, monkeypatch, tmp_path):
     monkeypatch.setenv(loader.ENV_PROVIDER_DIR, str(tmp_path / "prov"))
     monkeypatch.setattr(loader, "ensure_cudart", lambda: None)
     monkeypatch.setattr(device, "_query", lambda index: ("NVIDIA H200", (9, 0), 132))
-    monkeypatch.setattr(ops, "_check_device", lambda *a: None)
+    monkeypatch.setattr(checks, "check_device", lambda *a: None)
     monkeypatch.setattr(ops, "_OnDevice", lambda index: _Null())
     monkeypatch.setattr(ops, "_stream", lambda index: 0x5EED)
     real_library = ops._library
@@ -376,6 +389,35 @@ def test_default_backend_follows_deterministic_mode(stub_op):
     assert ops.resolve_backend("fast") == "fast"
     with pytest.raises(ValueError, match="'turbo'"):
         ops.resolve_backend("turbo")
+
+
+def test_fast_under_deterministic_mode_raises_or_warns(stub_op):
+    """As torch's own non-deterministic ops: RuntimeError, or a UserWarning under warn_only (and
+    fast runs); backend=None still picks det."""
+    torch, ops = stub_op
+    x = torch.randn(300, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(256, requires_grad=True)
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match=r"rms_norm\(backend='fast'\) does not have a "
+                           r"deterministic implementation, but you set "
+                           r"'torch.use_deterministic_algorithms\(True\)'"):
+            ops.rms_norm(x, w, backend="fast")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="does not have a deterministic implementation"):
+            y = ops.rms_norm(x, w, backend="fast")
+        y.sum().backward()
+        names = [n for n, a, _ in _last(ops, "bwd") if a.T == 300]
+        assert names == [_lib("fast", "bwd", 256, 300).name]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ops.rms_norm(x, w).sum().backward()  # None: det, no warning
+        names = [n for n, a, _ in _last(ops, "bwd") if a.T == 300]
+        assert _lib("det", "bwd", 256, 300).name in names
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 # ---- argument validation (before any launch) ----------------------------------------------------

@@ -6,6 +6,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from .checks import check_eps
 from .ops import BACKENDS, rms_norm
 
 __all__ = ["RMSNorm"]
@@ -50,6 +51,8 @@ class RMSNorm(torch.nn.Module):
             raise ValueError(f"backend {backend!r} is not one of "
                              f"{', '.join(map(repr, BACKENDS))} or None")
         self.normalized_shape = shape  # type: ignore[assignment]
+        if eps is not None:
+            check_eps(eps)  # refuse a bad eps when the module is built, not at its first call
         self.eps = DEFAULT_EPS if eps is None else float(eps)
         self.elementwise_affine = True
         self.backend = backend

@@ -19,16 +19,15 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from . import checks
+from .checks import BACKENDS, WIDTHS, resolve_backend  # noqa: F401  (re-exported)
+from .checks import WEIGHT_DTYPES as _WEIGHT_DTYPES
 from .registry import TableKey, load_registry
 from .runtime import abi, device, loader
 
 __all__ = ["rms_norm", "resolve_backend", "set_grid_cap", "get_grid_cap"]
 
 _REGISTRY = load_registry()
-WIDTHS: Tuple[int, ...] = _REGISTRY.widths
-BACKENDS: Tuple[str, ...] = _REGISTRY.backends
-_WIDTH_SET = frozenset(WIDTHS)
-_WEIGHT_DTYPES: Dict[torch.dtype, str] = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 _NULL = 0
 
 
@@ -110,22 +109,6 @@ def _ready(t: Tensor) -> Tensor:
     return t
 
 
-def _check_op(x: Tensor, weight: Tensor, *like_x: Optional[Tensor]) -> None:
-    """The ops' own guard (they may be called directly): wrong dtypes or shapes never reach a
-    kernel. The public rms_norm has already given the detailed error."""
-    _check_device(x, weight, None)
-    ok = (x.dim() == 2 and x.dtype == torch.bfloat16 and weight.dtype in _WEIGHT_DTYPES
-          and weight.shape == (x.shape[1],))
-    for t in like_x:
-        ok = ok and (t is None or (t.shape == x.shape and t.dtype == torch.bfloat16
-                                   and t.device == x.device))
-    if not ok:
-        raise ValueError("cake_rmsnorm ops take x, residual, dy as [T, H] bf16 CUDA tensors and "
-                         f"weight [H] fp32/bf16 on x's device; got x {x.dtype} "
-                         f"{tuple(x.shape)} on {x.device}, weight {weight.dtype} "
-                         f"{tuple(weight.shape)} on {weight.device}")
-
-
 class _OnDevice:
     """Make `index` the current CUDA device for the call (a no-op when it already is)."""
 
@@ -148,7 +131,7 @@ class _OnDevice:
 
 def _launch_fwd(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
                 backend: str) -> Tuple[Tensor, Optional[Tensor], Tensor]:
-    _check_op(x, weight, residual)
+    checks.check_op(x, weight, residual, eps=eps, backend=backend)
     tokens, hidden = x.shape
     y = _like(x)
     h = None if residual is None else _like(x)
@@ -197,10 +180,7 @@ def _fwd_residual_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
 
 def _launch_bwd(dy: Tensor, dresidual_out: Optional[Tensor], x: Tensor, weight: Tensor,
                 rstd: Tensor, backend: str, residual: bool) -> Tuple[Tensor, Tensor]:
-    _check_op(x, weight, dy, dresidual_out)
-    if rstd.shape != (x.shape[0],) or rstd.dtype != torch.float32 or rstd.device != x.device:
-        raise ValueError(f"rstd must be [T] float32 on x's device, got {rstd.dtype} "
-                         f"{tuple(rstd.shape)} on {rstd.device}")
+    checks.check_op(x, weight, dy, dresidual_out, backend=backend, rstd=rstd)
     tokens, hidden = x.shape
     dx = _like(x)
     dw = _like(weight)
@@ -299,67 +279,13 @@ def _eager(x: Tensor, weight: Tensor, residual: Optional[Tensor]) -> bool:
 
 
 # ---- the public op ----------------------------------------------------------------------------
-def resolve_backend(backend: Optional[str]) -> str:
-    """None → "det" under torch.use_deterministic_algorithms(True), else "fast"."""
-    if backend is None:
-        return "det" if torch.are_deterministic_algorithms_enabled() else "fast"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend {backend!r} is not one of {', '.join(map(repr, BACKENDS))} "
-                         f"(or None: det when deterministic algorithms are enabled, else fast)")
-    return backend
-
-
-def _check(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps: float) -> None:
-    """Every argument error, raised before anything is launched."""
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.bfloat16:
-        raise TypeError(f"x has dtype {x.dtype}; cake_rmsnorm accepts torch.bfloat16 x only")
-    if x.dim() < 1:
-        raise ValueError(f"x must have at least one dimension (..., H), got shape {tuple(x.shape)}")
-    hidden = x.shape[-1]
-    if hidden not in _WIDTH_SET:
-        raise ValueError(f"x has hidden size H={hidden} (shape {tuple(x.shape)}); accepted H: "
-                         f"{', '.join(map(str, WIDTHS))}")
-    if not isinstance(weight, Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dtype not in _WEIGHT_DTYPES:
-        raise TypeError(f"weight has dtype {weight.dtype}; accepted: torch.float32, torch.bfloat16")
-    if tuple(weight.shape) != (hidden,):
-        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected ({hidden},) to match "
-                         f"x's last dimension")
-    if residual is not None:
-        if not isinstance(residual, Tensor):
-            raise TypeError(f"residual must be a torch.Tensor or None, got "
-                            f"{type(residual).__name__}")
-        if residual.dtype != torch.bfloat16:
-            raise TypeError(f"residual has dtype {residual.dtype}; accepted: torch.bfloat16")
-        if residual.shape != x.shape:
-            raise ValueError(f"residual has shape {tuple(residual.shape)}; expected x's shape "
-                             f"{tuple(x.shape)}")
-    if (isinstance(eps, bool) or not isinstance(eps, (int, float))
-            or not 0.0 <= eps < float("inf")):
-        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
-    _check_device(x, weight, residual)
-
-
-def _check_device(x: Tensor, weight: Tensor, residual: Optional[Tensor]) -> None:
-    if x.device.type != "cuda":
-        raise ValueError(f"x is on device {x.device}; cake_rmsnorm runs on CUDA devices only")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, x on {x.device}: they must share a device")
-    if residual is not None and residual.device != x.device:
-        raise ValueError(f"residual is on {residual.device}, x on {x.device}: they must share "
-                         f"a device")
-
-
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Optional[Tensor] = None,
              backend: Optional[str] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """y = bf16(x · rstd · weight) over the last dim; with `residual`, h = x + residual is
     normalised and (y, h) returned. backend: "det" (bitwise-reproducible backward), "fast", or None
     (det when torch.are_deterministic_algorithms_enabled(), else fast)."""
     backend = resolve_backend(backend)
-    _check(x, weight, residual, eps)
+    checks.check_args(x, weight, residual, eps)
     shape = x.shape
     hidden = shape[-1]
     flat = len(shape) == 2
