@@ -148,11 +148,13 @@ def test_depfile_parsing_keeps_escaped_spaces():
 
 
 @pytest.mark.faults
-def test_oversized_library_is_refused_before_compiling(tmp_path, monkeypatch):
+def test_oversized_library_without_the_flag_is_refused_before_compiling(tmp_path, monkeypatch):
+    # Above the opt-in is allowed only with the program's `oversized = true` (tests/test_oversized.py
+    # builds such libraries); without it the build stops before touching the toolchain or the tree.
     reg = load_registry()
     lib = reg.libraries(ARCH, WIDTHS)[0]
     big = dataclasses.replace(lib, program=dataclasses.replace(
-        lib.program, smem_fixed=reg.smem_optin_bytes + 1024, smem_per_h=0))
+        lib.program, smem_fixed=reg.smem_optin_bytes + 1024, smem_per_h=0, oversized=False))
 
     class OneLibrary:  # the registry, except that it plans one oversized library
         def __getattr__(self, name):
@@ -163,9 +165,10 @@ def test_oversized_library_is_refused_before_compiling(tmp_path, monkeypatch):
 
     monkeypatch.setattr(orchestrate, "load_registry", lambda: OneLibrary())
     monkeypatch.setattr(orchestrate, "preflight", lambda archs: pytest.fail("preflight ran"))
-    with pytest.raises(BuildError, match=big.name):
+    with pytest.raises(BuildError, match=big.name) as err:
         orchestrate.build([ARCH], WIDTHS, build_dir=tmp_path / "b",
                           source_root=default_source_root())
+    assert "without the oversized flag" in str(err.value)
     assert not (tmp_path / "b").exists()
 
 

@@ -78,8 +78,15 @@ def test_libraries_are_derived_from_the_routes(reg):
         assert len(names) == len(set(names))
         used = {(w.program.name, k.hidden, k.weight_dtype, k.residual)
                 for k, ws in reg.tables.items() if k.arch == arch for w in ws}
+        # plus the fallbacks of gated (oversized) libraries: the runtime may run them instead
+        used |= {(w.program.fallback, k.hidden, k.weight_dtype, k.residual)
+                 for k, ws in reg.tables.items() if k.arch == arch for w in ws
+                 if w.program.smem_bytes(k.hidden) > reg.smem_optin_bytes}
         assert {(l.program.name, l.hidden, l.weight_dtype, l.residual) for l in libs} == used
-        assert all(not lib.oversized for lib in libs)
+        oversized = sorted(lib.name for lib in libs if lib.oversized)
+        expected = (["det_pair_c64_staged_h4096_fp32", "fast_pair_c64_staged_h4096_fp32"]
+                    if arch == "sm_107a" else [])
+        assert oversized == expected, arch
 
 
 def test_library_subset_by_width(reg):

@@ -14,6 +14,7 @@
 
 #include "cake_rmsnorm/abi.h"
 #include "cake_rmsnorm/common.cuh"
+#include "cake_rmsnorm/smem_mode.cuh"  // CAKE_OVERSIZED: 1 only in libraries above the opt-in
 
 namespace cake {
 namespace bind {

@@ -1,4 +1,5 @@
-"""The `cake-rmsnorm` command (also `python -m cake_rmsnorm`): plan, build, wheel, verify, explain.
+"""The `cake-rmsnorm` command (also `python -m cake_rmsnorm`): plan, build, wheel, verify, explain,
+doctor.
 
 The build machinery is imported only by the commands that need it, so `plan` and `explain` run on
 any machine with nothing but this package.
@@ -77,6 +78,9 @@ def cmd_explain(args, reg: Registry) -> int:
            "T": args.T, "weight_dtype": args.weight_dtype, "residual": args.residual,
            "program": program.name, "form": program.form, "reduction": program.reduction,
            "library": route.library.name, "window": [window.first, window.last]}
+    fallback = reg.fallback(route.library) if route.library.oversized else None
+    if fallback is not None:
+        doc["gated"] = {"smem_bytes": route.library.smem_bytes, "fallback": fallback.name}
     if args.json:
         print(json.dumps(doc, indent=2))
         return 0
@@ -85,6 +89,10 @@ def cmd_explain(args, reg: Registry) -> int:
     print(f"  from library {route.library.filename}")
     print(f"  because the table's window {window.describe()} names it")
     print(f"  program: {program.about}")
+    if fallback is not None:
+        print(f"  gated: needs {route.library.smem_bytes} B of shared memory (oversized mode, CUDA "
+              f"13.4+); where the runtime check says no, {fallback.filename} runs instead "
+              f"(`cake-rmsnorm doctor` tells which)")
     return 0
 
 
@@ -125,6 +133,13 @@ def cmd_verify(args, reg: Registry) -> int:
             print(f"  - {problem}", file=sys.stderr)
         return 1
     print(f"verify {args.target}: OK")
+    return 0
+
+
+def cmd_doctor(args, reg: Registry) -> int:
+    from .doctor import doctor
+
+    print(doctor(reg))
     return 0
 
 
@@ -171,6 +186,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--residual", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("doctor", help="CUDA runtime, driver, devices, limits, installed wheels, and "
+                                      "which gated programs this process would run")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 

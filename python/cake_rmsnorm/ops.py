@@ -23,7 +23,7 @@ from . import checks
 from .checks import BACKENDS, WIDTHS, resolve_backend  # noqa: F401  (re-exported)
 from .checks import WEIGHT_DTYPES as _WEIGHT_DTYPES
 from .registry import TableKey, load_registry
-from .runtime import abi, device, loader
+from .runtime import abi, device, loader, router
 
 __all__ = ["rms_norm", "resolve_backend", "set_grid_cap", "get_grid_cap"]
 
@@ -87,7 +87,8 @@ def _library(index: int, backend: str, direction: str, hidden: int, tokens: int,
     if lib is None:
         route = _REGISTRY.route(table.info.arch.name, backend, direction, hidden, table.firsts[i],
                                 weight_dtype, residual)
-        lib = table.libs[i] = loader.load_library(table.info.arch, route.library)
+        lib = table.libs[i] = loader.load_library(table.info.arch,
+                                                     router.runnable_on(_REGISTRY, route, index))
     return lib, table.info.sm_count
 
 

@@ -26,6 +26,7 @@ from ..registry import Arch, Library, load_registry
 from .atomic import write_if_changed
 from .generate import render_source
 from .layout import BUILD_SCHEMA, ArchTree, Progress, build_lock, default_source_root
+from .smem import check_oversized_flags, check_ptxas_smem
 from .toolchain import Toolchain, preflight
 
 NVCC_STEP = Path(__file__).resolve().with_name("nvcc_step.py")
@@ -176,12 +177,13 @@ def _collect(arch: Arch, libs: Sequence[Library], tree: ArchTree, tc: Toolchain,
 
 
 def _check_plan(arch: Arch, libs: Sequence[Library]) -> None:
-    oversized = [f"{lib.name} ({lib.smem_bytes} B)" for lib in libs if lib.oversized]
-    if oversized:
-        limit = libs[0].smem_optin_bytes
-        raise BuildError(f"{arch.name}: shared memory above the {limit} B opt-in limit needs the "
-                         f"oversized mode, which this build does not support yet: "
-                         f"{', '.join(oversized)}")
+    check_oversized_flags(arch.name, libs)
+
+
+def _check_smem(libs: Sequence[Library], tree: ArchTree) -> None:
+    for lib in libs:
+        kernels = json.loads(tree.ptxas_record(lib.name).read_text()).get("kernels", [])
+        check_ptxas_smem(lib, kernels)
 
 
 def _build_arch(arch: Arch, widths: Sequence[int], jobs: Optional[int], build_dir: Path,
@@ -212,6 +214,7 @@ def _build_arch(arch: Arch, widths: Sequence[int], jobs: Optional[int], build_di
         if bad:
             raise BuildError(f"{arch.name}: these libraries do not match their compile records "
                              f"after a rebuild: {', '.join(bad)}")
+    _check_smem(libs, tree)
     write_if_changed(tree.record, text)  # last: its presence means the arch built whole
     compiled = sum(_stamp(tree.library(lib.filename)) != before[lib.name] for lib in libs)
     return ArchSummary(arch.name, len(libs), compiled, len(libs) - compiled,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Dict, Iterable, Optional, Tuple
 
 from ..errors import RouteError
-from .load import DATA_DIR, parse_archs, parse_programs, parse_routes, read_toml
+from .load import DATA_DIR, check_gated, parse_archs, parse_programs, parse_routes, read_toml
 from .model import (FORMS, REDUCTIONS, Arch, Kernel, Library, LibraryKey, Program, Route, TableKey,
                     Window)
 
@@ -95,8 +95,21 @@ class Registry:
         return Library(arch, program, LibraryKey(key.hidden, key.weight_dtype, key.residual),
                        self.smem_optin_bytes)
 
+    def fallback(self, library: Library) -> Optional[Library]:
+        """The library that runs in place of a gated `library` (same arch, H, dtype, residual), or
+        None when its program declares no fallback."""
+        name = library.program.fallback
+        if name is None:
+            return None
+        return Library(library.arch, self.programs[name], library.key, self.smem_optin_bytes)
+
+    def gated(self, arch: str) -> Tuple[Library, ...]:
+        """The libraries of `arch` above the opt-in limit (run only where the capability allows)."""
+        return tuple(lib for lib in self.libraries(arch) if lib.oversized)
+
     def libraries(self, arch: str, widths: Optional[Iterable[int]] = None) -> Tuple[Library, ...]:
-        """Every library `arch` needs (derived from its routes), sorted by name."""
+        """Every library `arch` needs, sorted by name: derived from its routes, plus the fallbacks
+        of its gated (oversized) libraries."""
         self.arch(arch)
         wanted = set(self.widths if widths is None else widths)
         unknown = wanted - set(self.widths)
@@ -110,6 +123,9 @@ class Registry:
             for window in windows:
                 lib = self._library(arch, window.program, key)
                 libs[lib.name] = lib
+                fallback = self.fallback(lib) if lib.oversized else None
+                if fallback is not None:
+                    libs[fallback.name] = fallback
         return tuple(libs[name] for name in sorted(libs))
 
 
@@ -119,6 +135,7 @@ def build_registry(data_dir: Path) -> Registry:
     archs, axes = parse_archs(read_toml(archs_file), archs_file.name)
     programs = parse_programs(read_toml(programs_file), programs_file.name)
     tables = parse_routes(read_toml(routes_file), routes_file.name, archs, axes, programs)
+    check_gated(tables, programs, axes["smem_optin_bytes"], routes_file.name)
     return Registry(archs=archs, widths=axes["widths"], weight_dtypes=axes["weight_dtypes"],
                     backends=axes["backends"], directions=axes["directions"],
                     smem_optin_bytes=axes["smem_optin_bytes"], programs=programs, tables=tables)

@@ -78,7 +78,8 @@ def parse_programs(doc: dict, source: str) -> Dict[str, Program]:
     programs: Dict[str, Program] = {}
     for name, raw in _require(doc, "program", source).items():
         where = f"{source} program {name!r}"
-        _check_unknown(raw, ("kernel", "reduction", "deterministic", "params", "smem", "about"), where)
+        _check_unknown(raw, ("kernel", "reduction", "deterministic", "params", "smem", "about",
+                             "oversized", "fallback"), where)
         kname = _require(raw, "kernel", where)
         if kname not in kernels:
             raise RegistryError(f"{where}: unknown kernel {kname!r}; known: {sorted(kernels)}")
@@ -100,8 +101,64 @@ def parse_programs(doc: dict, source: str) -> Dict[str, Program]:
             deterministic=bool(_require(raw, "deterministic", where)),
             params=tuple((p, params[p]) for p in kernel.params),
             smem_fixed=int(smem.get("fixed", 0)), smem_per_h=int(smem.get("per_h", 0)),
-            about=raw.get("about", ""))
+            about=raw.get("about", ""), oversized=bool(raw.get("oversized", False)),
+            fallback=raw.get("fallback"))
+    for program in programs.values():
+        check_fallback(program, programs, f"{source} program {program.name!r}")
     return programs
+
+
+# Kernel parameters a fallback may differ in: how much is staged, never what is summed in which order.
+STAGING_PARAMS = ("stage_bytes",)
+
+
+def check_fallback(program: Program, programs: Mapping[str, Program], where: str) -> None:
+    """A declared fallback exists and computes the same thing in the same order (see programs.toml)."""
+    if program.fallback is None:
+        return
+    name = program.fallback
+    if not isinstance(name, str) or name not in programs:
+        raise RegistryError(f"{where}: fallback {name!r} is not a program; known: {sorted(programs)}")
+    fb = programs[name]
+    if fb.name == program.name:
+        raise RegistryError(f"{where}: a program cannot be its own fallback")
+    if fb.fallback is not None or fb.oversized:
+        raise RegistryError(f"{where}: fallback {name!r} must be an ordinary program (no fallback "
+                            f"of its own, not oversized)")
+    for label, mine, theirs in (("direction", program.direction, fb.direction),
+                                ("form", program.form, fb.form),
+                                ("reduction", program.reduction, fb.reduction)):
+        if mine != theirs:
+            raise RegistryError(f"{where}: fallback {name!r} has {label} {theirs!r}, not {mine!r}")
+    if program.deterministic and not fb.deterministic:
+        raise RegistryError(f"{where}: fallback {name!r} of a deterministic program must be "
+                            f"deterministic")
+    mine = {k: v for k, v in program.params if k not in STAGING_PARAMS}
+    theirs = {k: v for k, v in fb.params if k not in STAGING_PARAMS}
+    if mine != theirs:
+        raise RegistryError(f"{where}: fallback {name!r} has kernel params {theirs}, not {mine} "
+                            f"(only {list(STAGING_PARAMS)} may differ)")
+
+
+def check_gated(tables: Mapping[TableKey, Tuple[Window, ...]], programs: Mapping[str, Program],
+                optin: int, source: str) -> None:
+    """Every program routed where its shared memory passes the opt-in limit names a fallback that
+    stays under the limit there."""
+    for key, windows in sorted(tables.items()):
+        for window in windows:
+            program = window.program
+            need = program.smem_bytes(key.hidden)
+            if need <= optin:
+                continue
+            where = (f"{source}: program {program.name!r} ({need} B of shared memory at H "
+                     f"{key.hidden}, table {key.describe()}) passes the {optin} B opt-in limit")
+            if program.fallback is None:
+                raise RegistryError(f"{where} and declares no fallback: a gated program must "
+                                    f"name one that stays under the limit")
+            fb_need = programs[program.fallback].smem_bytes(key.hidden)
+            if fb_need > optin:
+                raise RegistryError(f"{where}; its fallback {program.fallback!r} takes {fb_need} B, "
+                                    f"also above the limit")
 
 
 def _expand(raw: dict, field: str, universe: tuple, where: str) -> tuple:

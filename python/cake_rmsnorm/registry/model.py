@@ -57,6 +57,8 @@ class Program:
     smem_fixed: int
     smem_per_h: int
     about: str
+    oversized: bool = False  # declared: may pass the opt-in limit (CUDA 13.4 oversized mode)
+    fallback: Optional[str] = None  # program run where this one's shared memory cannot be had
 
     @property
     def direction(self) -> str:
@@ -118,7 +120,8 @@ class Library:
 
     @property
     def oversized(self) -> bool:
-        """Needs CUDA 13.4's oversized shared-memory mode (more than the opt-in limit)."""
+        """Needs CUDA 13.4's oversized shared-memory mode (more than the opt-in limit): a *gated*
+        library, run only where the runtime capability check says its bytes fit."""
         return self.smem_bytes > self.smem_optin_bytes
 
     def plan_fields(self) -> dict:

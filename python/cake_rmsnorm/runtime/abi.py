@@ -152,7 +152,7 @@ class Library:
         args.T, args.grid_cap = tokens, grid_cap
         rc = self._bwd(args, stream)  # type: ignore[misc]
         if rc:
-            raise LaunchError(_launch_message(self.name, "cake_bwd", rc))
+            raise LaunchError(_launch_message(self.name, "cake_bwd", rc, self.info.smem_bytes))
 
     def __repr__(self) -> str:
         return f"<cake library {self.name} at {self.path}>"
@@ -177,11 +177,20 @@ def set_error_namer(namer) -> None:
     _error_name = namer
 
 
-def _launch_message(lib_name: str, symbol: str, rc: int) -> str:
+# Above this a launch needs its shared memory granted (cudaFuncSetAttribute), which may be refused.
+DEFAULT_DYN_SMEM_BYTES = 48 * 1024
+
+
+def _launch_message(lib_name: str, symbol: str, rc: int, smem_bytes: int = 0) -> str:
     name = ""
     if _error_name is not None:
         try:
             name = f" ({_error_name(rc)})"
         except Exception:  # naming the error must never hide it
             name = ""
-    return f"{symbol} of library {lib_name} failed: CUDA error {rc}{name}"
+    hint = ""
+    if smem_bytes > DEFAULT_DYN_SMEM_BYTES:
+        hint = (f"; it needs {smem_bytes} B of shared memory per block, which this device, driver "
+                f"or CUDA runtime may not grant (see `cake-rmsnorm doctor`); the library cleared the "
+                f"error, so the process can keep using CUDA")
+    return f"{symbol} of library {lib_name} failed: CUDA error {rc}{name}{hint}"

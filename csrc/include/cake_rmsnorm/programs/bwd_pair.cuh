@@ -123,8 +123,8 @@ struct BwdPair {
     }
   }
 
-  static cudaError_t launch(const cake_bwd_args_t& a, cudaStream_t st) {
-    if (a.T <= 0) return cudaSuccess;
+  // The main kernel alone (BwdPairStaged launches this very kernel, then its own reduce).
+  static cudaError_t launch_main(const cake_bwd_args_t& a, cudaStream_t st) {
     int sm = 0;
     cudaError_t e = sm_count(&sm);
     if (e != cudaSuccess) return e;
@@ -133,7 +133,12 @@ struct BwdPair {
         blocks_per_sm(bwd_pair_kernel<BwdPair>, kThreads, kReduceScratchBytes, kBlocksPerSm);
     const int64_t want = nch < full ? nch : full;
     bwd_pair_kernel<BwdPair><<<grid_capped(want, a.grid_cap), kThreads, kReduceScratchBytes, st>>>(a);
-    e = cudaGetLastError();
+    return cudaGetLastError();
+  }
+
+  static cudaError_t launch(const cake_bwd_args_t& a, cudaStream_t st) {
+    if (a.T <= 0) return cudaSuccess;
+    cudaError_t e = launch_main(a, st);
     if (e != cudaSuccess) return e;
     bwd_pair_reduce<BwdPair><<<grid_capped(ceil_div(H, kWarpSize), a.grid_cap), kReduceThreads, kReduceSmem, st>>>(a);
     return cudaSuccess;

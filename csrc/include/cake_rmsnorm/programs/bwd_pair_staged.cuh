@@ -1,0 +1,100 @@
+/* det backward, pair form with a staged reduce:
+ *   cake::BwdPairStaged<H, WeightT, kResidual, kChunkRows, kStageBytes>  (reduction fp64_fold)
+ *
+ * Main kernel: BwdPair<H, WeightT, kResidual, kChunkRows>'s own (the same kernel, launched through
+ * BwdPair::launch_main), so dx and the FP32 chunk partials are BwdPair's bits.
+ * Reduce kernel: BwdPair's reduction, column for column and addition for addition: a block of 32
+ * columns x kSplits warps; warp s folds, in FP64 and chunk order starting from 0.0, the contiguous
+ * chunk segment s (seg = ceil(nchunks / kSplits), as BwdPair cuts it); then warp 0 adds the kSplits
+ * segment sums in split order and rounds once to the weight dtype. The only difference is how the
+ * partials travel: each warp copies up to kStageChunks chunk rows of its 32 columns at a time into its
+ * own slice of dynamic shared memory (cp.async, all in flight at once), waits, and then adds them from
+ * shared memory in chunk order. Same operands, same order, same FP64 additions: dw is bit-identical to
+ * BwdPair's (the program's registry fallback), whatever kStageBytes is.
+ * Dynamic shared memory of the reduce = kStageBytes = [kSplits][32] doubles (split sums) + the staging
+ * slices; kStageBytes is the compile-time parameter `stage_bytes`, so the same code builds under the
+ * opt-in limit (testable on an H200) and above it (oversized mode, CUDA 13.4+, sm_107a).
+ */
+#ifndef CAKE_RMSNORM_PROGRAMS_BWD_PAIR_STAGED_CUH
+#define CAKE_RMSNORM_PROGRAMS_BWD_PAIR_STAGED_CUH
+
+#include "cake_rmsnorm/programs/bwd_pair.cuh"
+#include "cake_rmsnorm/smem_mode.cuh"
+
+namespace cake {
+
+__device__ __forceinline__ void cp_async4(float* smem_dst, const float* gmem_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+template <int H, class W, bool kRes, int kChunkRows, int kStageBytes>
+struct BwdPairStaged : BwdPair<H, W, kRes, kChunkRows> {
+  using Base = BwdPair<H, W, kRes, kChunkRows>;
+  using Base::kReduceThreads;
+  using Base::kSplits;
+  static constexpr int kSplitBytes = Base::kReduceSmem;  // [kSplits][32] doubles
+  static constexpr int kChunkRowBytes = kSplits * kWarpSize * static_cast<int>(sizeof(float));
+  static_assert(kStageBytes > kSplitBytes && (kStageBytes - kSplitBytes) % kChunkRowBytes == 0,
+                "stage_bytes must be the split sums (kSplits*32*8 B) plus a whole number of "
+                "kSplits*32*4 B staged chunk rows");
+  static constexpr int kStageChunks = (kStageBytes - kSplitBytes) / kChunkRowBytes;  // per warp
+  static constexpr int kSmemBytes = cmax(kReduceScratchBytes, kStageBytes);
+
+  static __device__ __forceinline__ void run_reduce(const cake_bwd_args_t& a) {
+    double* sm = reinterpret_cast<double*>(dyn_smem());  // [kSplits][32]
+    const int lane = threadIdx.x % kWarpSize;
+    const int s = threadIdx.x / kWarpSize;
+    float* stage = reinterpret_cast<float*>(dyn_smem() + kSplitBytes) +
+                   static_cast<size_t>(s) * kStageChunks * kWarpSize;
+    const float* part = static_cast<const float*>(a.workspace);
+    const int64_t nch = Base::nchunks(a.T);
+    const int64_t seg = (nch + kSplits - 1) / kSplits;
+    const int64_t c0 = s * seg;
+    const int64_t c1 = c0 + seg < nch ? c0 + seg : nch;
+    constexpr int kTiles = ceil_div(H, kWarpSize);
+    for (int tile = blockIdx.x; tile < kTiles; tile += gridDim.x) {
+      const int col = tile * kWarpSize + lane;
+      double sum = 0.0;
+      if (col < H) {
+        const float* p = part + col;
+        for (int64_t cb = c0; cb < c1; cb += kStageChunks) {
+          const int n = static_cast<int>(c1 - cb < kStageChunks ? c1 - cb : kStageChunks);
+          for (int j = 0; j < n; ++j) cp_async4(stage + j * kWarpSize + lane, p + (cb + j) * H);
+          cp_async_wait_all();  // this thread's own copies: it reads only what it copied
+#pragma unroll 4
+          for (int j = 0; j < n; ++j) sum += static_cast<double>(stage[j * kWarpSize + lane]);
+        }
+      }
+      sm[s * kWarpSize + lane] = sum;
+      __syncthreads();
+      if (s == 0 && col < H) {
+        double v = sm[lane];
+#pragma unroll
+        for (int i = 1; i < kSplits; ++i) v += sm[i * kWarpSize + lane];
+        st_dw(static_cast<W*>(a.dw), col, v);
+      }
+      __syncthreads();
+    }
+  }
+
+  static cudaError_t launch(const cake_bwd_args_t& a, cudaStream_t st) {
+    if (a.T <= 0) return cudaSuccess;
+    // Attributes first: where the device or runtime cannot give kStageBytes, launch nothing at all.
+    cudaError_t e = prepare_smem<BwdPairStaged>(bwd_pair_reduce<BwdPairStaged>, kStageBytes);
+    if (e != cudaSuccess) return e;
+    e = Base::launch_main(a, st);
+    if (e != cudaSuccess) return e;
+    bwd_pair_reduce<BwdPairStaged><<<grid_capped(ceil_div(H, kWarpSize), a.grid_cap), kReduceThreads,
+                                     kStageBytes, st>>>(a);
+    e = cudaGetLastError();  // a launch refused for its shared memory is not sticky: clear, return
+    return e;
+  }
+};
+
+}  // namespace cake
+
+#endif  // CAKE_RMSNORM_PROGRAMS_BWD_PAIR_STAGED_CUH
