@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -26,31 +25,12 @@ from cake_rmsnorm.build.layout import default_source_root
 from cake_rmsnorm.build.smem import check_oversized_flags, check_ptxas_smem
 from cake_rmsnorm.errors import BuildError, ProviderError, RegistryError
 from cake_rmsnorm.registry import build_registry, load_registry
-from cake_rmsnorm.registry.load import DATA_DIR
 from cake_rmsnorm.runtime import capability, router
 from cake_rmsnorm.runtime.capability import Capability
 
 GATED = {"det_pair_c64_staged_h4096_fp32", "fast_pair_c64_staged_h4096_fp32"}
 FALLBACK = "det_pair_c64_h4096_fp32"
 CSRC = default_source_root() / "csrc"
-
-
-@pytest.fixture
-def reg():
-    return load_registry()
-
-
-@pytest.fixture
-def scratch(tmp_path):
-    data = tmp_path / "data"
-    shutil.copytree(DATA_DIR, data)
-
-    def edit(name, old, new):
-        path = data / name
-        text = path.read_text()
-        assert old in text, f"{old!r} not in {name}"
-        path.write_text(text.replace(old, new, 1))
-    return data, edit
 
 
 def cap(runtime=13040, driver=13040, oversized=300000, error=0, device=0) -> Capability:

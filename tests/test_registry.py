@@ -1,32 +1,12 @@
 """The registry loads, validates and answers queries; every broken table is an error that names
 the table and the window."""
 
-import shutil
 
 import pytest
 
 from cake_rmsnorm.errors import RegistryError, RouteError
-from cake_rmsnorm.registry import FORMS, REDUCTIONS, TableKey, build_registry, load_registry
-from cake_rmsnorm.registry.load import DATA_DIR
+from cake_rmsnorm.registry import FORMS, REDUCTIONS, TableKey, build_registry
 
-
-@pytest.fixture
-def reg():
-    return load_registry()
-
-
-@pytest.fixture
-def scratch(tmp_path):
-    """A writable copy of the registry data; returns (dir, edit(file, old, new))."""
-    data = tmp_path / "data"
-    shutil.copytree(DATA_DIR, data)
-
-    def edit(name, old, new):
-        path = data / name
-        text = path.read_text()
-        assert old in text, f"{old!r} not in {name}"
-        path.write_text(text.replace(old, new, 1))
-    return data, edit
 
 
 def test_axes_are_the_four_archs_and_seven_widths(reg):
