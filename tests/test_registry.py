@@ -1,12 +1,10 @@
 """The registry loads, validates and answers queries; every broken table is an error that names
 the table and the window."""
 
-
 import pytest
 
 from cake_rmsnorm.errors import RegistryError, RouteError
 from cake_rmsnorm.registry import FORMS, REDUCTIONS, TableKey, build_registry
-
 
 
 def test_axes_are_the_four_archs_and_seven_widths(reg):
