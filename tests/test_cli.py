@@ -11,7 +11,7 @@ from cake_rmsnorm.registry import load_registry
 
 PLAN_FIELDS = {"name", "program", "H", "weight_dtype", "residual", "smem_bytes", "oversized"}
 EXPLAIN_FIELDS = {"arch", "backend", "direction", "H", "T", "weight_dtype", "residual", "program",
-                  "form", "reduction", "library", "window"}
+                  "form", "reduction", "library", "window", "window_label"}
 
 
 def run_json(capsys, *argv):
@@ -45,6 +45,7 @@ def test_explain_json_fields_and_window(capsys):
     route = load_registry().route("sm_90a", "det", "bwd", 4096, 65536, "bf16", True)
     assert doc["program"] == route.program.name
     assert doc["library"] == route.library.name
+    assert doc["window_label"] == (route.window.label or None)
     lo, hi = doc["window"]
     assert lo <= 65536 and (hi is None or 65536 <= hi)
     assert doc["form"] in ("forward", "pair", "single", "column_task")
@@ -73,3 +74,16 @@ def test_python_dash_m_works():
     out = subprocess.run([sys.executable, "-m", "cake_rmsnorm", "plan", "--arch", "sm_90a",
                           "--json"], check=True, capture_output=True, text=True).stdout
     assert json.loads(out)[0]["arch"] == "sm_90a"
+
+
+def test_explain_names_the_upstream_window_behind_a_route(capsys):
+    """Issue 5, acceptance 3: sm_103a fast H 2048 runs det's program at T 58497 (F1), not at 58496
+    or 61953."""
+    def program(backend, tokens):
+        doc = run_json(capsys, "explain", "--arch", "sm_103a", "--backend", backend, "--direction",
+                       "bwd", "--H", "2048", "--T", str(tokens), "--json")
+        return doc["program"], doc["window_label"]
+    assert program("fast", 58497) == (program("det", 58497)[0], "F1")
+    assert program("fast", 61952)[0] == program("det", 61952)[0]
+    for tokens in (58496, 61953):
+        assert program("fast", tokens)[0] != program("det", tokens)[0]

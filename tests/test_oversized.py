@@ -183,7 +183,7 @@ smem = { fixed = 240000, per_h = 0 }
 
 @pytest.mark.parametrize("backend", ["det", "fast"])
 def test_router_falls_back_when_the_capability_says_no(reg, backend, caplog):
-    route = reg.route("sm_107a", backend, "bwd", hidden=4096, tokens=65536)
+    route = reg.route("sm_107a", backend, "bwd", hidden=4096, tokens=4096)
     assert route.library.name in GATED
     no = cap(runtime=13000, driver=13000, oversized=0, error=1)  # CUDA 13.0: attribute error
     with caplog.at_level(logging.DEBUG, logger="cake_rmsnorm"):
@@ -386,7 +386,7 @@ def test_staged_and_fallback_libraries_compile_for_sm_107a(reg, tmp_path):
 
 def test_explain_names_the_gate_and_the_fallback(capsys):
     assert cli.main(["explain", "--arch", "sm_107a", "--backend", "fast", "--direction", "bwd",
-                     "--H", "4096", "--T", "65536", "--json"]) == 0
+                     "--H", "4096", "--T", "4096", "--json"]) == 0
     import json
     doc = json.loads(capsys.readouterr().out)
     assert doc["program"] == "fast_pair_c64_staged"

@@ -147,3 +147,53 @@ def test_program_params_must_match_its_kernel(scratch):
     edit("programs.toml", "params = { chunk_rows = 64 }", "params = { rows = 64 }")
     with pytest.raises(RegistryError, match="program 'det_pair_c64': params"):
         build_registry(data)
+
+
+# ---- [[override]] windows ------------------------------------------------------------------------
+
+def test_override_splices_its_window_and_keeps_the_rest(reg):
+    windows = reg.table(TableKey("sm_103a", "fast", "bwd", "fp32", False, 2048))
+    spans = [(w.first, w.last, w.program.name, w.label) for w in windows]
+    assert spans == [(1, 58496, "fast_single_b2", ""), (58497, 61952, "det_pair_c64", "F1"),
+                     (61953, None, "fast_single_b2", "")]
+
+
+def test_overlapping_overrides_on_one_table_are_an_error(scratch):
+    data, edit = scratch
+    edit("routes.toml", "first = 1025\nlast = 16384", "first = 100\nlast = 16384")
+    with pytest.raises(RegistryError, match=r"override #\d+ \(F3\).*sm_107a fast bwd H=2048.*"
+                                            r"overlap: window T 100\.\.16384 meets T 65\.\.127"):
+        build_registry(data)
+
+
+def test_override_naming_an_unknown_program_is_an_error(scratch):
+    data, edit = scratch
+    edit("routes.toml", 'first = 58497\nlast = 61952\nprogram = "det_pair_c64"',
+         'first = 58497\nlast = 61952\nprogram = "det_pair_c99"')
+    with pytest.raises(RegistryError, match=r"\(F1\).*unknown program 'det_pair_c99'"):
+        build_registry(data)
+
+
+def test_det_override_may_not_run_a_non_deterministic_program(scratch):
+    data, edit = scratch
+    edit("routes.toml", 'last = 256\nprogram = "det_column_task_f64_c64s8"',
+         'last = 256\nprogram = "fast_single_b2"')
+    with pytest.raises(RegistryError, match=r"\(D3\).*det may not run non-deterministic"):
+        build_registry(data)
+
+
+def test_program_reduction_must_be_one_its_kernel_implements(scratch):
+    data, edit = scratch
+    edit("programs.toml", 'kernel = "single"\nreduction = "twosum"', 'kernel = "single"\nreduction = "fp64_fold"')
+    with pytest.raises(RegistryError, match=r"fast_single_twosum_b2.*reduction 'fp64_fold' is not one kernel "
+                                            r"'single' implements"):
+        build_registry(data)
+
+
+def test_readme_states_the_library_counts_plan_prints(reg):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    stated = dict(re.findall(r"(sm_\d+a) (\d+)[,;. ]", text.split("Libraries per arch")[1][:300]))
+    assert {a: int(n) for a, n in stated.items()} == {a: len(reg.libraries(a)) for a in reg.arch_names}

@@ -102,7 +102,7 @@ static void run_case(int64_t T) {
   x.n = r.n = dy.n = dres.n = y.n = ro.n = N; rstd.n = size_t(T);
   x.put(hx); r.put(hr); dy.put(hdy); dres.put(hdres); w.put(hw);
   cake_fwd_args_t fa{x.p, kRes ? r.p : nullptr, w.p, y.p, kRes ? ro.p : nullptr, rstd.p, T, 1e-6f};
-  CK(cudaError_t(cake::bind::fwd<cake::Forward<H, W, kRes, 4>>(&fa, nullptr)));
+  CK(cudaError_t(cake::bind::fwd<cake::Forward<H, W, kRes, cake::Reduction::kFp32, 4>>(&fa, nullptr)));
   CK(cudaDeviceSynchronize());
   auto hy = y.get(); auto hrs = rstd.get(); std::vector<uint16_t> hh = kRes ? ro.get() : hx;
   // forward reference
@@ -143,9 +143,10 @@ static void run_case(int64_t T) {
   }
   const Dev<uint16_t>& xin = kRes ? ro : x;
   const Dev<uint16_t>* dr = kRes ? &dres : nullptr;
-  using Pair = cake::BwdPair<H, W, kRes, 64>;
-  using Single = cake::BwdSingle<H, W, kRes, 2>;
-  using Col = cake::BwdColumnTask<H, W, kRes, 64, 8>;
+  using R = cake::Reduction;
+  using Pair = cake::BwdPair<H, W, kRes, R::kFp64Fold, 64>;
+  using Single = cake::BwdSingle<H, W, kRes, R::kBlockedFp32, 2, 32>;
+  using Col = cake::BwdColumnTask<H, W, kRes, R::kTwoSum, 64, 8>;
   auto p0 = run_bwd<Pair>("pair", T, 0, dy, dr, xin, w, rstd, dx_ref, dx_scale, dw_ref, true);
   auto p1 = run_bwd<Pair>("pair", T, 3, dy, dr, xin, w, rstd, dx_ref, dx_scale, dw_ref, false);
   report("pair bits equal at grid_cap 0 / 3", p0 == p1, "");
@@ -171,7 +172,7 @@ int main(int argc, char** argv) {
   {
     Dev<float> dw(H); CK(cudaMemset(dw.p, 0xff, H * 4));
     cake_bwd_args_t a{}; a.dw = dw.p; a.T = 0;
-    CK(cudaError_t(cake::bind::bwd<cake::BwdPair<H, float, false, 64>>(&a, nullptr)));
+    CK(cudaError_t(cake::bind::bwd<cake::BwdPair<H, float, false, cake::Reduction::kFp64Fold, 64>>(&a, nullptr)));
     CK(cudaDeviceSynchronize());
     auto v = dw.get(); bool ok = true; for (float f : v) ok &= f == 0.0f;
     report("T == 0 writes dw = 0", ok, "");

@@ -3,7 +3,8 @@
  * One row group (RowLayout L: kTPR threads) handles one row:
  *   x̂ = x·rstd, g = dy·w (FP32), c = (1/H)·Σ g·x̂ (fixed-order group_sum),
  *   dx = bf16(rstd·(g − x̂·c) + dresidual_out)
- * and hands each element's dw term (dy·x)·rstd to `on_term(i, term)` (i = column slot of this thread,
+ * and hands each element's dw term (dy·x)·rstd and its TwoProduct rounding error to
+ * `on_term(i, term, err)` (i = column slot of this thread,
  * 0..kCols-1: slot k*8+e is column 8*(k*kTPR + t) + e), so each form accumulates dw its own way.
  * `active` = the row exists; inactive rows still take part in the group reduction (barriers).
  */
@@ -62,7 +63,8 @@ __device__ __forceinline__ void bwd_row(const bf16* __restrict__ dy, const bf16*
       const float g = fdy[e] * fw[e];
       const float xh = fx[e] * rstd;
       fo[e] = rstd * (g - xh * c) + fo[e];
-      on_term(k * kVec + e, dw_term(fdy[e], fx[e], rstd));
+      const float term = dw_term(fdy[e], fx[e], rstd);
+      on_term(k * kVec + e, term, dw_term_err(fdy[e], fx[e], rstd, term));  // err unused: dead code
     }
     st_vec(dx, L::vec(k, t), pack8(fo));
   }

@@ -23,6 +23,15 @@ namespace cake {
 
 using bf16 = __nv_bfloat16;
 
+// How a program sums dw (the registry's `reduction`; the generator passes it as the template
+// argument after kResidual, so the label and the code cannot disagree).
+enum class Reduction : int {
+  kFp32 = 0,         // plain FP32 sums
+  kBlockedFp32 = 1,  // FP32 sums of at most block_rows terms, folded into FP64
+  kTwoSum = 2,       // FP32 TwoSum pairs (sum + compensation), TwoProduct error included
+  kFp64Fold = 3,     // FP64 sums
+};
+
 constexpr int kWarpSize = 32;
 constexpr int kVec = 8;                 // bf16 per 16-byte vector
 constexpr int kReduceScratchBytes = 128;  // one float per warp, up to 32 warps (1024 threads)
@@ -93,6 +102,14 @@ __device__ __forceinline__ float dw_term(float dy, float x, float rstd) {
 }
 __device__ __forceinline__ float dw_term_err(float dy, float x, float rstd, float term) {
   return __fmaf_rn(__fmul_rn(dy, x), rstd, -term);
+}
+
+// TwoSum accumulation of one dw term: (s, c) += term, err (err: the term's TwoProduct error).
+__device__ __forceinline__ void two_sum_add(float& s, float& c, float term, float err) {
+  float ns, e;
+  two_sum(s, term, ns, e);
+  s = ns;
+  c += e + err;
 }
 
 /* ---- fixed-order reductions ---- */

@@ -10,6 +10,9 @@ from __future__ import annotations
 from ..registry import Library
 
 WEIGHT_CTYPES = {"fp32": "float", "bf16": "__nv_bfloat16"}
+# The registry's reduction names → csrc/include/cake_rmsnorm/common.cuh's cake::Reduction.
+REDUCTION_CPP = {"fp32": "cake::Reduction::kFp32", "blocked_fp32": "cake::Reduction::kBlockedFp32",
+                 "twosum": "cake::Reduction::kTwoSum", "fp64_fold": "cake::Reduction::kFp64Fold"}
 # The one line that makes a library set CUDA 13.4's oversized shared-memory mode
 # (csrc/include/cake_rmsnorm/smem_mode.cuh); only a library above the opt-in limit gets it.
 OVERSIZED_DEFINE = "#define CAKE_OVERSIZED 1"
@@ -34,7 +37,8 @@ def limit_lines(lib: Library) -> str:
 def render_source(lib: Library) -> str:
     program = lib.program
     kernel = program.kernel
-    targs = [str(lib.hidden), WEIGHT_CTYPES[lib.weight_dtype], "true" if lib.residual else "false"]
+    targs = [str(lib.hidden), WEIGHT_CTYPES[lib.weight_dtype], "true" if lib.residual else "false",
+             REDUCTION_CPP[program.reduction]]
     targs += [str(value) for _, value in program.params]
     export = "CAKE_EXPORT_FWD" if kernel.direction == "fwd" else "CAKE_EXPORT_BWD"
     return (

@@ -3,6 +3,7 @@ names the file, the table and the window at fault."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import tomllib
 from pathlib import Path
@@ -66,15 +67,21 @@ def parse_programs(doc: dict, source: str) -> Dict[str, Program]:
     kernels: Dict[str, Kernel] = {}
     for name, raw in _require(doc, "kernel", source).items():
         where = f"{source} kernel {name!r}"
-        _check_unknown(raw, ("header", "template", "direction", "form", "params"), where)
+        _check_unknown(raw, ("header", "template", "direction", "form", "params", "reductions"),
+                       where)
         form = _require(raw, "form", where)
         if form not in FORMS:
             raise RegistryError(f"{where}: form {form!r} is not one of {list(FORMS)}")
         direction = _require(raw, "direction", where)
         if direction not in ("fwd", "bwd") or (direction == "fwd") != (form == "forward"):
             raise RegistryError(f"{where}: direction {direction!r} does not fit form {form!r}")
+        reductions = tuple(_require(raw, "reductions", where))
+        bad = [r for r in reductions if r not in REDUCTIONS]
+        if bad or not reductions:
+            raise RegistryError(f"{where}: reductions {list(reductions)} must be a non-empty list "
+                                f"from {list(REDUCTIONS)}")
         kernels[name] = Kernel(name, _require(raw, "header", where), _require(raw, "template", where),
-                               direction, form, tuple(_require(raw, "params", where)))
+                               direction, form, tuple(_require(raw, "params", where)), reductions)
     programs: Dict[str, Program] = {}
     for name, raw in _require(doc, "program", source).items():
         where = f"{source} program {name!r}"
@@ -85,15 +92,17 @@ def parse_programs(doc: dict, source: str) -> Dict[str, Program]:
             raise RegistryError(f"{where}: unknown kernel {kname!r}; known: {sorted(kernels)}")
         kernel = kernels[kname]
         reduction = _require(raw, "reduction", where)
-        if reduction not in REDUCTIONS:
-            raise RegistryError(f"{where}: reduction {reduction!r} is not one of {list(REDUCTIONS)}")
+        if reduction not in kernel.reductions:
+            raise RegistryError(f"{where}: reduction {reduction!r} is not one kernel {kname!r} "
+                                f"implements: {list(kernel.reductions)}")
         params = dict(_require(raw, "params", where))
         if set(params) != set(kernel.params):
             raise RegistryError(f"{where}: params {sorted(params)} must be exactly kernel "
                                 f"{kname!r}'s {list(kernel.params)}")
         for pname, value in params.items():
-            if not isinstance(value, int) or value <= 0:
-                raise RegistryError(f"{where}: param {pname} = {value!r} must be a positive integer")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise RegistryError(f"{where}: param {pname} = {value!r} must be a non-negative "
+                                    f"integer")
         smem = _require(raw, "smem", where)
         _check_unknown(smem, ("fixed", "per_h"), where + " smem")
         programs[name] = Program(
@@ -172,29 +181,32 @@ def _expand(raw: dict, field: str, universe: tuple, where: str) -> tuple:
     return values
 
 
-def parse_windows(raw_windows: List[dict], key: TableKey, programs: Mapping[str, Program],
-                  where: str) -> Tuple[Window, ...]:
-    """Check that the windows tile 1..infinity exactly once and name known, fitting programs."""
-    table = f"{where} (table {key.describe()})"
-    windows = []
-    for raw in raw_windows:
-        _check_unknown(raw, ("first", "last", "program"), table)
-        pname = _require(raw, "program", table)
-        first, last = _require(raw, "first", table), raw.get("last")
-        span = f"T {first}..{'inf' if last is None else last}"
-        if pname not in programs:
-            raise RegistryError(f"{table}, window {span}: unknown program {pname!r}")
-        program = programs[pname]
-        if program.direction != key.direction:
-            raise RegistryError(f"{table}, window {span}: program {pname!r} is a "
-                                f"{program.direction} program")
-        if key.backend == "det" and not program.deterministic:
-            raise RegistryError(f"{table}, window {span}: det may not run non-deterministic "
-                                f"program {pname!r}")
-        if last is not None and last < first:
-            raise RegistryError(f"{table}, window {span}: last is below first")
-        windows.append(Window(int(first), None if last is None else int(last), program))
-    windows.sort(key=lambda w: w.first)
+def _window(raw: dict, key: TableKey, programs: Mapping[str, Program], table: str,
+            label: str = "") -> Window:
+    """One window of `key`'s table: a known program of the table's direction (det: deterministic)."""
+    _check_unknown(raw, ("first", "last", "program"), table)
+    pname = _require(raw, "program", table)
+    first, last = _require(raw, "first", table), raw.get("last")
+    span = f"T {first}..{'inf' if last is None else last}"
+    if not isinstance(first, int) or first < 1 or (last is not None and not isinstance(last, int)):
+        raise RegistryError(f"{table}, window {span}: first and last must be integers, first >= 1")
+    if pname not in programs:
+        raise RegistryError(f"{table}, window {span}: unknown program {pname!r}")
+    program = programs[pname]
+    if program.direction != key.direction:
+        raise RegistryError(f"{table}, window {span}: program {pname!r} is a "
+                            f"{program.direction} program")
+    if key.backend == "det" and not program.deterministic:
+        raise RegistryError(f"{table}, window {span}: det may not run non-deterministic "
+                            f"program {pname!r}")
+    if last is not None and last < first:
+        raise RegistryError(f"{table}, window {span}: last is below first")
+    return Window(first, last, program, label)
+
+
+def check_tiling(windows: List[Window], table: str) -> Tuple[Window, ...]:
+    """The windows, sorted, if they tile 1..infinity exactly once."""
+    windows = sorted(windows, key=lambda w: w.first)
     expected = 1
     for i, window in enumerate(windows):
         if window.first != expected:
@@ -210,6 +222,28 @@ def parse_windows(raw_windows: List[dict], key: TableKey, programs: Mapping[str,
     raise RegistryError(f"{table}: gap after T {expected - 1}: no window reaches infinity")
 
 
+def parse_windows(raw_windows: List[dict], key: TableKey, programs: Mapping[str, Program],
+                  where: str) -> Tuple[Window, ...]:
+    """Check that the windows tile 1..infinity exactly once and name known, fitting programs."""
+    table = f"{where} (table {key.describe()})"
+    return check_tiling([_window(raw, key, programs, table) for raw in raw_windows], table)
+
+
+def splice(windows: Tuple[Window, ...], new: Window) -> Tuple[Window, ...]:
+    """`windows` with [new.first, new.last] cut out of them and `new` put there."""
+    inf = float("inf")
+    new_last = inf if new.last is None else new.last
+    out = [new]
+    for w in windows:
+        w_last = inf if w.last is None else w.last
+        if w.first < new.first:  # the part before `new`
+            out.append(dataclasses.replace(w, last=None if min(w_last, new.first - 1) == inf
+                                           else int(min(w_last, new.first - 1))))
+        if w_last > new_last:  # the part after `new`
+            out.append(dataclasses.replace(w, first=int(max(w.first, new_last + 1))))
+    return tuple(sorted(out, key=lambda w: w.first))
+
+
 def parse_routes(doc: dict, source: str, archs: Tuple[Arch, ...], axes: dict,
                  programs: Mapping[str, Program]) -> Dict[TableKey, Tuple[Window, ...]]:
     tables: Dict[TableKey, Tuple[Window, ...]] = {}
@@ -218,15 +252,7 @@ def parse_routes(doc: dict, source: str, archs: Tuple[Arch, ...], axes: dict,
         where = f"{source} table entry #{i + 1}"
         _check_unknown(raw, ("arch", "backend", "direction", "weight_dtype", "residual", "H",
                              "windows"), where)
-        combos = itertools.product(
-            _expand(raw, "arch", tuple(a.name for a in archs), where),
-            _expand(raw, "backend", axes["backends"], where),
-            _expand(raw, "direction", axes["directions"], where),
-            _expand(raw, "weight_dtype", axes["weight_dtypes"], where),
-            _expand(raw, "residual", (False, True), where),
-            _expand(raw, "H", axes["widths"], where))
-        for combo in combos:
-            key = TableKey(*combo)
+        for key in _keys(raw, archs, axes, where):
             if key in tables:
                 raise RegistryError(f"{where}: overlap: table {key.describe()} is already "
                                     f"given by {origin[key]}")
@@ -236,4 +262,37 @@ def parse_routes(doc: dict, source: str, archs: Tuple[Arch, ...], axes: dict,
                                    axes["weight_dtypes"], (False, True), axes["widths"]):
         if TableKey(*combo) not in tables:
             raise RegistryError(f"{source}: gap: no table for {TableKey(*combo).describe()}")
+    apply_overrides(doc.get("override", []), source, archs, axes, programs, tables)
     return tables
+
+
+def _keys(raw: dict, archs: Tuple[Arch, ...], axes: dict, where: str):
+    return itertools.starmap(TableKey, itertools.product(
+        _expand(raw, "arch", tuple(a.name for a in archs), where),
+        _expand(raw, "backend", axes["backends"], where),
+        _expand(raw, "direction", axes["directions"], where),
+        _expand(raw, "weight_dtype", axes["weight_dtypes"], where),
+        _expand(raw, "residual", (False, True), where),
+        _expand(raw, "H", axes["widths"], where)))
+
+
+def apply_overrides(raws: List[dict], source: str, archs: Tuple[Arch, ...], axes: dict,
+                    programs: Mapping[str, Program], tables: Dict[TableKey, Tuple[Window, ...]]) -> None:
+    """Splice each [[override]] window into the tables it names. Two overrides may not overlap on
+    one table (so their order in the file never matters)."""
+    placed: Dict[TableKey, List[Tuple[Window, str]]] = {}
+    for i, raw in enumerate(raws):
+        label = raw.get("window", "")
+        where = f"{source} override #{i + 1}" + (f" ({label})" if label else "")
+        _check_unknown(raw, ("window", "arch", "backend", "direction", "weight_dtype", "residual",
+                             "H", "first", "last", "program"), where)
+        window_raw = {k: raw[k] for k in ("first", "last", "program") if k in raw}
+        for key in _keys(raw, archs, axes, where):
+            table = f"{where} (table {key.describe()})"
+            new = _window(window_raw, key, programs, table, label)
+            for other, other_where in placed.get(key, []):
+                if other.first <= (new.last or float("inf")) and new.first <= (other.last or float("inf")):
+                    raise RegistryError(f"{table}: overlap: window {new.describe()} meets "
+                                        f"{other.describe()} of {other_where}")
+            placed.setdefault(key, []).append((new, where))
+            tables[key] = check_tiling(list(splice(tables[key], new)), table)

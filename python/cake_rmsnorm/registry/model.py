@@ -43,6 +43,7 @@ class Kernel:
     direction: str
     form: str
     params: Tuple[str, ...]
+    reductions: Tuple[str, ...]  # the dw reductions the template implements
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,7 @@ class Window:
     first: int
     last: Optional[int]
     program: Program
+    label: str = ""  # the [[override]] that placed it (e.g. "F2": a WINDOWS.md row), else ""
 
     def contains(self, tokens: int) -> bool:
         return tokens >= self.first and (self.last is None or tokens <= self.last)

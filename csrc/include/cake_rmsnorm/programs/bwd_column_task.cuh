@@ -1,13 +1,14 @@
 /* det backward, column-task form (small T): cake::BwdColumnTask<H, WeightT, kResidual,
- * kColsPerBlock, kRowSplits>  (reduction twosum)
+ * kReduction, kColsPerBlock, kRowSplits>  (reduction twosum or fp64_fold)
  *
  * One launch of tasks of two roles (grid-stride over tasks when grid_cap is smaller):
  *  - column tasks 0 .. ceil(H/kColsPerBlock)-1: task c owns dw columns [c*kColsPerBlock, ...).
  *    Warp s (< kRowSplits) walks the contiguous row segment s (rows [s*seg, (s+1)*seg),
  *    seg = ceil(T / kRowSplits)) in row order; lane l holds kColsPerBlock/32 adjacent columns and
- *    keeps a TwoSum pair (FP32 sum + FP32 compensation, which also takes the TwoProduct error of
- *    (dy·x)·rstd). Warp 0 then combines the kRowSplits pairs in split order with TwoSum and writes
- *    dw = round(sum + comp) (FP64 add, one rounding to the weight dtype).
+ *    keeps, per column, a TwoSum pair (twosum: FP32 sum + FP32 compensation, which also takes the
+ *    TwoProduct error of (dy·x)·rstd) or an FP64 sum (fp64_fold). Warp 0 then combines the
+ *    kRowSplits sums in split order (TwoSum, or FP64) and writes dw (one rounding to the weight
+ *    dtype).
  *  - row tasks: kGroups row groups per block compute dx for one row each (bwd_row, shared with the
  *    other backward forms; the dw terms are ignored there).
  * Every order is fixed by T and compile-time constants: bitwise reproducible, independent of SM
@@ -27,8 +28,10 @@ __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) bwd_column_task_ke
   P::run(a);
 }
 
-template <int H, class W, bool kRes, int kColsPerBlock, int kRowSplits>
+template <int H, class W, bool kRes, Reduction kR, int kColsPerBlock, int kRowSplits>
 struct BwdColumnTask {
+  static_assert(kR == Reduction::kTwoSum || kR == Reduction::kFp64Fold,
+                "column_task: reduction must be twosum or fp64_fold");
   static constexpr int kCPL = kColsPerBlock / kWarpSize;  // columns per lane
   static_assert(kColsPerBlock % kWarpSize == 0 && (kCPL == 1 || kCPL == 2 || kCPL == 4 || kCPL == 8),
                 "cols_per_block must be 32, 64, 128 or 256");
@@ -39,7 +42,7 @@ struct BwdColumnTask {
   static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * 128));  // <= 128 registers
   static constexpr int kGroups = kThreads / L::kTPR;  // row groups of a row task
   static constexpr int kColTasks = ceil_div(H, kColsPerBlock);
-  static constexpr int kColSmem = kRowSplits * kColsPerBlock * 2 * sizeof(float);
+  static constexpr int kColSmem = kRowSplits * kColsPerBlock * 8;  // a TwoSum float pair or a double
   static constexpr int kHidden = H;
   static constexpr bool kResidual = kRes;
   using WeightT = W;
@@ -63,15 +66,21 @@ struct BwdColumnTask {
   }
 
   static __device__ __forceinline__ void column_task(const cake_bwd_args_t& a, int task) {
-    float* sm = reinterpret_cast<float*>(dyn_smem());  // [kRowSplits][kColsPerBlock][2]
+    // [kRowSplits][kColsPerBlock]: float2 (sum, compensation) for twosum, double for fp64_fold
+    float2* pairs = reinterpret_cast<float2*>(dyn_smem());
+    double* fold = reinterpret_cast<double*>(dyn_smem());
     const int lane = threadIdx.x % kWarpSize;
     const int s = threadIdx.x / kWarpSize;
     const int cl = lane * kCPL;                       // first column of this lane in the task
     const int col = task * kColsPerBlock + cl;
     if (s < kRowSplits) {
       float sum[kCPL], comp[kCPL];
+      double dsum[kCPL];
 #pragma unroll
-      for (int e = 0; e < kCPL; ++e) sum[e] = comp[e] = 0.f;
+      for (int e = 0; e < kCPL; ++e) {
+        sum[e] = comp[e] = 0.f;
+        dsum[e] = 0.0;
+      }
       if (col < H) {
         const int64_t seg = (a.T + kRowSplits - 1) / kRowSplits;
         const int64_t r0 = s * seg;
@@ -86,33 +95,39 @@ struct BwdColumnTask {
 #pragma unroll
           for (int e = 0; e < kCPL; ++e) {
             const float term = dw_term(fdy[e], fx[e], rstd);
-            const float perr = dw_term_err(fdy[e], fx[e], rstd, term);
-            float ns, err;
-            two_sum(sum[e], term, ns, err);
-            sum[e] = ns;
-            comp[e] += err + perr;
+            if constexpr (kR == Reduction::kTwoSum) {
+              two_sum_add(sum[e], comp[e], term, dw_term_err(fdy[e], fx[e], rstd, term));
+            } else {
+              dsum[e] += static_cast<double>(term);
+            }
           }
         }
       }
 #pragma unroll
       for (int e = 0; e < kCPL; ++e) {
-        sm[(s * kColsPerBlock + cl + e) * 2 + 0] = sum[e];
-        sm[(s * kColsPerBlock + cl + e) * 2 + 1] = comp[e];
+        if constexpr (kR == Reduction::kTwoSum) {
+          pairs[s * kColsPerBlock + cl + e] = make_float2(sum[e], comp[e]);
+        } else {
+          fold[s * kColsPerBlock + cl + e] = dsum[e];
+        }
       }
     }
     __syncthreads();
     if (s == 0 && col < H) {
 #pragma unroll
       for (int e = 0; e < kCPL; ++e) {
-        float S = sm[(cl + e) * 2 + 0];
-        float C = sm[(cl + e) * 2 + 1];
-        for (int i = 1; i < kRowSplits; ++i) {
-          float ns, err;
-          two_sum(S, sm[(i * kColsPerBlock + cl + e) * 2 + 0], ns, err);
-          S = ns;
-          C += err + sm[(i * kColsPerBlock + cl + e) * 2 + 1];
+        double v;
+        if constexpr (kR == Reduction::kTwoSum) {
+          float S = pairs[cl + e].x, C = pairs[cl + e].y;
+          for (int i = 1; i < kRowSplits; ++i) {
+            two_sum_add(S, C, pairs[i * kColsPerBlock + cl + e].x, pairs[i * kColsPerBlock + cl + e].y);
+          }
+          v = static_cast<double>(S) + static_cast<double>(C);
+        } else {
+          v = fold[cl + e];
+          for (int i = 1; i < kRowSplits; ++i) v += fold[i * kColsPerBlock + cl + e];
         }
-        st_dw(static_cast<W*>(a.dw), col + e, static_cast<double>(S) + static_cast<double>(C));
+        st_dw(static_cast<W*>(a.dw), col + e, v);
       }
     }
     __syncthreads();
@@ -130,7 +145,7 @@ struct BwdColumnTask {
     bwd_row<H, L, W, kRes>(static_cast<const bf16*>(a.dy) + off, static_cast<const bf16*>(a.x) + off, dres,
                            static_cast<const W*>(a.weight), active ? __ldg(a.rstd + row) : 0.f,
                            static_cast<bf16*>(a.dx) + off, active, t, scratch, warp,
-                           g < kGroups ? g * L::kWarps : 0, [](int, float) {});
+                           g < kGroups ? g * L::kWarps : 0, [](int, float, float) {});
   }
 
   static __device__ __forceinline__ void run(const cake_bwd_args_t& a) {

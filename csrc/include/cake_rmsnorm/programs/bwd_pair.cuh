@@ -1,14 +1,17 @@
-/* det backward, pair form: cake::BwdPair<H, WeightT, kResidual, kChunkRows>  (reduction fp64_fold)
+/* det backward, pair form: cake::BwdPair<H, WeightT, kResidual, kReduction, kChunkRows>
+ * (reduction fp64_fold or twosum)
  *
  * Main kernel: the rows are cut into FIXED chunks of kChunkRows rows (chunk c = rows
  * [c*kChunkRows, ...)), independent of SM count and grid. One block = one row group (RowLayout, at
  * most 512 threads); grid = min(nchunks, resident blocks, grid_cap), blocks grid-stride over chunks.
  * For each row of its chunk, in row order, the block computes dx (bwd_row) and each thread adds
  * the row's dw terms of its own columns into FP32 registers, so every column of a chunk is summed
- * by one thread in row order. The chunk partial goes to workspace[chunk][H] (fp32).
- * Reduce kernel: a block of 32 columns x kSplits warps; warp s sums, in FP64 and chunk order, the
- * contiguous segment s of the chunks (segments depend only on T), then warp 0 adds the kSplits
- * segment sums in split order and writes dw (rounded once to the weight dtype).
+ * by one thread in row order (twosum: a TwoSum pair per column, rounded to one FP32 partial at the
+ * chunk's end). The chunk partial goes to workspace[chunk][H] (fp32).
+ * Reduce kernel: a block of 32 columns x kSplits warps; warp s sums, in chunk order, the contiguous
+ * segment s of the chunks (segments depend only on T) — in FP64 (fp64_fold) or as an FP32 TwoSum
+ * pair (twosum) — then warp 0 adds the kSplits segment sums in split order (FP64, or TwoSum) and
+ * writes dw (rounded once to the weight dtype).
  * Every sum has an order fixed by T and compile-time constants only: the bits depend only on the
  * inputs, not on SM count, grid_cap or timing.
  * workspace_bytes = align256(nchunks * H * 4), nchunks = ceil(T / kChunkRows).
@@ -31,9 +34,11 @@ __global__ void __launch_bounds__(P::kReduceThreads) bwd_pair_reduce(const cake_
   P::run_reduce(a);
 }
 
-template <int H, class W, bool kRes, int kChunkRows>
+template <int H, class W, bool kRes, Reduction kR, int kChunkRows>
 struct BwdPair {
   static_assert(kChunkRows >= 1, "chunk_rows must be positive");
+  static_assert(kR == Reduction::kFp64Fold || kR == Reduction::kTwoSum,
+                "pair: reduction must be fp64_fold or twosum");
   using L = RowLayout<H, 512>;
   static constexpr int kThreads = L::kTPR;
   static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * 128));  // <= 128 registers
@@ -42,7 +47,7 @@ struct BwdPair {
   using WeightT = W;
   static constexpr int kSplits = 8;  // reduce: chunk segments per column, combined in split order
   static constexpr int kReduceThreads = kSplits * kWarpSize;
-  static constexpr int kReduceSmem = kSplits * kWarpSize * 8;
+  static constexpr int kReduceSmem = kSplits * kWarpSize * 8;  // a double or a TwoSum float pair
   static constexpr int kSmemBytes = cmax(kReduceScratchBytes, kReduceSmem);
   static constexpr int kBlocksPerSm = 1;  // fallback when the occupancy query fails
 
@@ -59,9 +64,9 @@ struct BwdPair {
     float* part = static_cast<float*>(a.workspace);
     const int64_t nch = nchunks(a.T);
     for (int64_t ch = blockIdx.x; ch < nch; ch += gridDim.x) {
-      float acc[L::kCols];
+      float acc[L::kCols], comp[L::kCols];
 #pragma unroll
-      for (int i = 0; i < L::kCols; ++i) acc[i] = 0.f;
+      for (int i = 0; i < L::kCols; ++i) acc[i] = comp[i] = 0.f;
       const int64_t row0 = ch * kChunkRows;
       const int rows = static_cast<int>(a.T - row0 < kChunkRows ? a.T - row0 : kChunkRows);
 #pragma unroll 1
@@ -72,7 +77,17 @@ struct BwdPair {
                                                    : nullptr;
         bwd_row<H, L, W, kRes>(static_cast<const bf16*>(a.dy) + off, static_cast<const bf16*>(a.x) + off,
                                dres, w, __ldg(a.rstd + row), static_cast<bf16*>(a.dx) + off, true, t,
-                               scratch, warp, 0, [&](int i, float term) { acc[i] += term; });
+                               scratch, warp, 0, [&](int i, float term, float err) {
+                                 if constexpr (kR == Reduction::kTwoSum) {
+                                   two_sum_add(acc[i], comp[i], term, err);
+                                 } else {
+                                   acc[i] += term;
+                                 }
+                               });
+      }
+      if constexpr (kR == Reduction::kTwoSum) {
+#pragma unroll
+        for (int i = 0; i < L::kCols; ++i) acc[i] += comp[i];
       }
       float* out = part + ch * H;
 #pragma unroll
@@ -85,41 +100,77 @@ struct BwdPair {
     }
   }
 
+  // The chunk segment [c0, c1) of warp s (depends only on T).
+  static __device__ __forceinline__ void segment(int64_t T, int s, int64_t& c0, int64_t& c1) {
+    const int64_t nch = nchunks(T);
+    const int64_t seg = (nch + kSplits - 1) / kSplits;
+    c0 = s * seg;
+    c1 = c0 + seg < nch ? c0 + seg : nch;
+  }
+
+  // add(v) for the chunk partials p[c*H], c in [c0, c1), in chunk order (4 loads in flight).
+  template <class Add>
+  static __device__ __forceinline__ void fold_chunks(const float* p, int64_t c0, int64_t c1, Add&& add) {
+    int64_t c = c0;
+    for (; c + 4 <= c1; c += 4) {
+      const float v0 = __ldcg(p + (c + 0) * H), v1 = __ldcg(p + (c + 1) * H);
+      const float v2 = __ldcg(p + (c + 2) * H), v3 = __ldcg(p + (c + 3) * H);
+      add(v0);
+      add(v1);
+      add(v2);
+      add(v3);
+    }
+    for (; c < c1; ++c) add(__ldcg(p + c * H));
+  }
+
+  // Warp 0 adds the kSplits segment sums in split order (FP64) and writes dw; block-wide barriers.
+  static __device__ __forceinline__ void combine_splits(const cake_bwd_args_t& a, double* sm, int s,
+                                                        int lane, int col, double sum) {
+    sm[s * kWarpSize + lane] = sum;
+    __syncthreads();
+    if (s == 0 && col < H) {
+      double v = sm[lane];
+#pragma unroll
+      for (int i = 1; i < kSplits; ++i) v += sm[i * kWarpSize + lane];
+      st_dw(static_cast<W*>(a.dw), col, v);
+    }
+    __syncthreads();
+  }
+
+  // The same with TwoSum pairs (sum, compensation), for the twosum reduction.
+  static __device__ __forceinline__ void combine_splits(const cake_bwd_args_t& a, float2* sm, int s,
+                                                        int lane, int col, float2 sum) {
+    sm[s * kWarpSize + lane] = sum;
+    __syncthreads();
+    if (s == 0 && col < H) {
+      float S = sm[lane].x, C = sm[lane].y;
+#pragma unroll
+      for (int i = 1; i < kSplits; ++i) two_sum_add(S, C, sm[i * kWarpSize + lane].x, sm[i * kWarpSize + lane].y);
+      st_dw(static_cast<W*>(a.dw), col, static_cast<double>(S) + static_cast<double>(C));
+    }
+    __syncthreads();
+  }
+
   static __device__ __forceinline__ void run_reduce(const cake_bwd_args_t& a) {
-    double* sm = reinterpret_cast<double*>(dyn_smem());  // [kSplits][32]
     const int lane = threadIdx.x % kWarpSize;
     const int s = threadIdx.x / kWarpSize;
     const float* part = static_cast<const float*>(a.workspace);
-    const int64_t nch = nchunks(a.T);
-    const int64_t seg = (nch + kSplits - 1) / kSplits;
-    const int64_t c0 = s * seg;
-    const int64_t c1 = c0 + seg < nch ? c0 + seg : nch;
+    int64_t c0, c1;
+    segment(a.T, s, c0, c1);
     constexpr int kTiles = ceil_div(H, kWarpSize);
     for (int tile = blockIdx.x; tile < kTiles; tile += gridDim.x) {
       const int col = tile * kWarpSize + lane;
-      double sum = 0.0;
-      if (col < H) {
-        const float* p = part + col;
-        int64_t c = c0;
-        for (; c + 4 <= c1; c += 4) {  // loads in flight, additions still in chunk order
-          const float v0 = __ldcg(p + (c + 0) * H), v1 = __ldcg(p + (c + 1) * H);
-          const float v2 = __ldcg(p + (c + 2) * H), v3 = __ldcg(p + (c + 3) * H);
-          sum += static_cast<double>(v0);
-          sum += static_cast<double>(v1);
-          sum += static_cast<double>(v2);
-          sum += static_cast<double>(v3);
-        }
-        for (; c < c1; ++c) sum += static_cast<double>(__ldcg(p + c * H));
+      const float* p = part + (col < H ? col : 0);
+      const int64_t e1 = col < H ? c1 : c0;  // past H: an empty segment, barriers only
+      if constexpr (kR == Reduction::kTwoSum) {
+        float S = 0.f, C = 0.f;
+        fold_chunks(p, c0, e1, [&](float v) { two_sum_add(S, C, v, 0.f); });
+        combine_splits(a, reinterpret_cast<float2*>(dyn_smem()), s, lane, col, make_float2(S, C));
+      } else {
+        double sum = 0.0;
+        fold_chunks(p, c0, e1, [&](float v) { sum += static_cast<double>(v); });
+        combine_splits(a, reinterpret_cast<double*>(dyn_smem()), s, lane, col, sum);
       }
-      sm[s * kWarpSize + lane] = sum;
-      __syncthreads();
-      if (s == 0 && col < H) {
-        double v = sm[lane];
-#pragma unroll
-        for (int i = 1; i < kSplits; ++i) v += sm[i * kWarpSize + lane];
-        st_dw(static_cast<W*>(a.dw), col, v);
-      }
-      __syncthreads();
     }
   }
 

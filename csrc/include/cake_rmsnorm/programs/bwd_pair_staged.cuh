@@ -1,7 +1,7 @@
 /* det backward, pair form with a staged reduce:
- *   cake::BwdPairStaged<H, WeightT, kResidual, kChunkRows, kStageBytes>  (reduction fp64_fold)
+ *   cake::BwdPairStaged<H, WeightT, kResidual, kReduction, kChunkRows, kStageBytes>  (fp64_fold only)
  *
- * Main kernel: BwdPair<H, WeightT, kResidual, kChunkRows>'s own (the same kernel, launched through
+ * Main kernel: BwdPair<H, WeightT, kResidual, fp64_fold, kChunkRows>'s own (the same kernel, launched through
  * BwdPair::launch_main), so dx and the FP32 chunk partials are BwdPair's bits.
  * Reduce kernel: BwdPair's reduction, column for column and addition for addition: a block of 32
  * columns x kSplits warps; warp s folds, in FP64 and chunk order starting from 0.0, the contiguous
@@ -31,9 +31,10 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
-template <int H, class W, bool kRes, int kChunkRows, int kStageBytes>
-struct BwdPairStaged : BwdPair<H, W, kRes, kChunkRows> {
-  using Base = BwdPair<H, W, kRes, kChunkRows>;
+template <int H, class W, bool kRes, Reduction kR, int kChunkRows, int kStageBytes>
+struct BwdPairStaged : BwdPair<H, W, kRes, kR, kChunkRows> {
+  static_assert(kR == Reduction::kFp64Fold, "pair_staged: reduction must be fp64_fold");
+  using Base = BwdPair<H, W, kRes, kR, kChunkRows>;
   using Base::kReduceThreads;
   using Base::kSplits;
   static constexpr int kSplitBytes = Base::kReduceSmem;  // [kSplits][32] doubles
@@ -51,10 +52,8 @@ struct BwdPairStaged : BwdPair<H, W, kRes, kChunkRows> {
     float* stage = reinterpret_cast<float*>(dyn_smem() + kSplitBytes) +
                    static_cast<size_t>(s) * kStageChunks * kWarpSize;
     const float* part = static_cast<const float*>(a.workspace);
-    const int64_t nch = Base::nchunks(a.T);
-    const int64_t seg = (nch + kSplits - 1) / kSplits;
-    const int64_t c0 = s * seg;
-    const int64_t c1 = c0 + seg < nch ? c0 + seg : nch;
+    int64_t c0, c1;
+    Base::segment(a.T, s, c0, c1);
     constexpr int kTiles = ceil_div(H, kWarpSize);
     for (int tile = blockIdx.x; tile < kTiles; tile += gridDim.x) {
       const int col = tile * kWarpSize + lane;
@@ -69,15 +68,7 @@ struct BwdPairStaged : BwdPair<H, W, kRes, kChunkRows> {
           for (int j = 0; j < n; ++j) sum += static_cast<double>(stage[j * kWarpSize + lane]);
         }
       }
-      sm[s * kWarpSize + lane] = sum;
-      __syncthreads();
-      if (s == 0 && col < H) {
-        double v = sm[lane];
-#pragma unroll
-        for (int i = 1; i < kSplits; ++i) v += sm[i * kWarpSize + lane];
-        st_dw(static_cast<W*>(a.dw), col, v);
-      }
-      __syncthreads();
+      Base::combine_splits(a, sm, s, lane, col, sum);
     }
   }
 

@@ -1,12 +1,16 @@
-/* fast backward, single form: cake::BwdSingle<H, WeightT, kResidual, kBlocksPerSm>  (blocked_fp32)
+/* fast backward, single form:
+ *   cake::BwdSingle<H, WeightT, kResidual, kReduction, kBlocksPerSm, kBlockRows>
  *
  * One kernel. grid = min(sm_count * kBlocksPerSm, grid_cap, ceil(T / kGroups)); block b takes the
  * contiguous rows [b*per, (b+1)*per), per = ceil(T / grid). A block holds kGroups row groups
  * (RowLayout, at most 512 threads per row; several groups of 32..128 threads for small H); group g
  * takes rows r0+g, r0+g+kGroups, ... For each row it computes dx (bwd_row, the same code as det)
- * and adds the dw terms of its columns into per-thread FP32 block sums; every kBlockRows rows a block
- * sum is added into a per-thread FP64 running total (blocked FP32: each FP32 sum has <= 32 terms,
- * so long ranges stay inside the budget). Each group then atomicAdd(double)s its totals into the
+ * and adds the dw terms of its columns into per-thread sums, in the form kReduction names:
+ *   fp32          one FP32 sum per column over all the thread's rows (short ranges: small T);
+ *   blocked_fp32  FP32 sums of kBlockRows rows, each folded into an FP64 running total, so no FP32
+ *                 sum has more than kBlockRows terms (long ranges stay inside the budget);
+ *   twosum        an FP32 TwoSum pair (sum + compensation, the product's TwoProduct error too).
+ * kBlockRows > 0 exactly for blocked_fp32. Each group then atomicAdd(double)s its totals into the
  * workspace FP64 accumulator [H]; after a __threadfence the block bumps an atomic counter and the
  * last block to arrive converts the accumulator into dw (weight dtype, rounded once).
  * The order of the FP64 atomics is not fixed: dw is not bitwise reproducible (fast backend); dx is.
@@ -27,14 +31,17 @@ __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) bwd_single_kernel(
   P::run(a);
 }
 
-template <int H, class W, bool kRes, int kBlocksPerSm>
+template <int H, class W, bool kRes, Reduction kR, int kBlocksPerSm, int kBlockRows>
 struct BwdSingle {
   static_assert(kBlocksPerSm >= 1, "blocks_per_sm must be positive");
+  static_assert(kR == Reduction::kFp32 || kR == Reduction::kBlockedFp32 || kR == Reduction::kTwoSum,
+                "single: reduction must be fp32, blocked_fp32 or twosum");
+  static_assert((kR == Reduction::kBlockedFp32) == (kBlockRows > 0),
+                "single: block_rows > 0 exactly for blocked_fp32");
   using L = RowLayout<H, 512>;
   static constexpr int kGroups = cmax(1, 256 / L::kTPR);
   static constexpr int kThreads = kGroups * L::kTPR;
   static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * 128));  // <= 128 registers
-  static constexpr int kBlockRows = 32;  // rows per FP32 block sum
   static constexpr int kHidden = H;
   static constexpr bool kResidual = kRes;
   using WeightT = W;
@@ -58,11 +65,12 @@ struct BwdSingle {
     const int64_t n = r1 > r0 ? r1 - r0 : 0;
     const int64_t iters = (n + kGroups - 1) / kGroups;
 
-    float blk[L::kCols];
-    double tot[L::kCols];
+    float blk[L::kCols];   // FP32 sums (the current block's, for blocked_fp32)
+    float comp[L::kCols];  // twosum: compensation
+    double tot[L::kCols];  // blocked_fp32: FP64 total of the finished blocks
 #pragma unroll
     for (int i = 0; i < L::kCols; ++i) {
-      blk[i] = 0.f;
+      blk[i] = comp[i] = 0.f;
       tot[i] = 0.0;
     }
     int in_block = 0;
@@ -76,13 +84,21 @@ struct BwdSingle {
       bwd_row<H, L, W, kRes>(static_cast<const bf16*>(a.dy) + off, static_cast<const bf16*>(a.x) + off,
                              dres, w, active ? __ldg(a.rstd + row) : 0.f, static_cast<bf16*>(a.dx) + off,
                              active, t, scratch, warp, g * L::kWarps,
-                             [&](int i, float term) { blk[i] += term; });
-      if (++in_block == kBlockRows) {
-        in_block = 0;
+                             [&](int i, float term, float err) {
+                               if constexpr (kR == Reduction::kTwoSum) {
+                                 two_sum_add(blk[i], comp[i], term, err);
+                               } else {
+                                 blk[i] += term;
+                               }
+                             });
+      if constexpr (kR == Reduction::kBlockedFp32) {
+        if (++in_block == kBlockRows) {
+          in_block = 0;
 #pragma unroll
-        for (int i = 0; i < L::kCols; ++i) {
-          tot[i] += static_cast<double>(blk[i]);
-          blk[i] = 0.f;
+          for (int i = 0; i < L::kCols; ++i) {
+            tot[i] += static_cast<double>(blk[i]);
+            blk[i] = 0.f;
+          }
         }
       }
     }
@@ -92,7 +108,9 @@ struct BwdSingle {
         if (!L::valid(k, t)) continue;
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          atomicAdd(acc + L::vec(k, t) * kVec + e, tot[k * kVec + e] + static_cast<double>(blk[k * kVec + e]));
+          const int i = k * kVec + e;
+          atomicAdd(acc + L::vec(k, t) * kVec + e,
+                    tot[i] + static_cast<double>(blk[i]) + static_cast<double>(comp[i]));
         }
       }
     }

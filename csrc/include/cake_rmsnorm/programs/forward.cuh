@@ -1,4 +1,4 @@
-/* Forward: cake::Forward<H, WeightT, kResidual, kRowsPerBlock>.
+/* Forward: cake::Forward<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock>.
  *
  * Mapping: a block holds kRowsPerBlock row groups (RowLayout with at most 1024/kRowsPerBlock threads
  * per row, 16-byte vectors, coalesced); group g of block b normalises row b*kRowsPerBlock + g.
@@ -21,8 +21,9 @@ __global__ void __launch_bounds__(P::kThreads, 1) forward_kernel(const cake_fwd_
   P::run(a);
 }
 
-template <int H, class W, bool kRes, int kRowsPerBlock>
+template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock>
 struct Forward {
+  static_assert(kR == Reduction::kFp32, "forward: reduction must be fp32");
   static_assert(kRowsPerBlock >= 1 && kRowsPerBlock <= 32, "rows_per_block out of range");
   using L = RowLayout<H, cmax(32, 1024 / kRowsPerBlock / 32 * 32)>;
   static constexpr int kThreads = kRowsPerBlock * L::kTPR;

@@ -1,0 +1,81 @@
+"""Build every registry program for one arch at a sample of keys, routed there or not, into a
+git-ignored folder that travels to the GPU machine (ci/check_programs.py runs them):
+
+    python ci/program_libs.py [--arch sm_90a] [--programs A,B] [--widths 256,4096] [--out DIR] [-j 2]
+
+Why: programs that only the Blackwell tables route to (single-kernel TwoSum and FP32 sums, the
+TwoSum pair, the FP64 column task, the 8-row forward) can still be checked for correctness on an
+H200, compiled for sm_90a. Programs whose shared memory passes the opt-in are skipped (they cannot
+run there). Keys: every width, FP32 weight without residual and BF16 weight with residual.
+Same generated source, nvcc flags and checks as a planned build (build/one.py). Writes index.json,
+keeping the entries of earlier runs into the same folder that this run did not rebuild.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "python"))
+
+from cake_rmsnorm.build.one import compile_one  # noqa: E402
+from cake_rmsnorm.build.toolchain import preflight  # noqa: E402
+from cake_rmsnorm.registry import Library, LibraryKey, load_registry  # noqa: E402
+
+KEYS = (("fp32", False), ("bf16", True))
+
+
+def libraries(arch: str, programs, widths):
+    reg = load_registry()
+    for name in programs or sorted(reg.programs):
+        program = reg.programs[name]
+        for hidden in widths or reg.widths:
+            for wd, res in KEYS:
+                lib = Library(arch, program, LibraryKey(hidden, wd, res), reg.smem_optin_bytes)
+                if not lib.oversized:
+                    yield lib
+
+
+def main(argv) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--programs", default="", help="comma list (default: every program)")
+    ap.add_argument("--widths", default="", help="comma list (default: every prebuilt width)")
+    ap.add_argument("--out", default=str(ROOT / ".carry" / "programs"))
+    ap.add_argument("-j", type=int, default=2)
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    reg = load_registry()
+    programs = [p for p in args.programs.split(",") if p]
+    unknown = [p for p in programs if p not in reg.programs]
+    if unknown:
+        sys.exit(f"--programs {unknown}: not registry programs; known: {', '.join(sorted(reg.programs))}")
+    widths = [int(w) for w in args.widths.split(",") if w]
+    libs = list(libraries(args.arch, programs, widths))
+    tc = preflight([reg.arch(args.arch)])
+    index_file = out / "index.json"
+    earlier = json.loads(index_file.read_text())["libraries"] if index_file.is_file() else []
+    index = [e for e in earlier if e["name"] not in {lib.name for lib in libs}]
+    with cf.ThreadPoolExecutor(max_workers=args.j) as pool:
+        futures = {pool.submit(compile_one, lib, out, tc): lib for lib in libs}
+        for n, fut in enumerate(cf.as_completed(futures), 1):
+            lib = futures[fut]
+            built = fut.result()
+            print(f"[{n}/{len(libs)}] {built.path.name}: registers {built.record['registers']}",
+                  flush=True)
+            index.append({**lib.plan_fields(), "file": built.path.name,
+                          "direction": lib.program.direction, "form": lib.program.form,
+                          "reduction": lib.program.reduction,
+                          "deterministic": lib.program.deterministic})
+    index.sort(key=lambda e: e["name"])
+    index_file.write_text(json.dumps({"arch": args.arch, "libraries": index}, indent=2) + "\n")
+    print(f"wrote {index_file}: {len(index)} libraries (this run built {len(libs)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
