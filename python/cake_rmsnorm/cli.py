@@ -1,5 +1,5 @@
 """The `cake-rmsnorm` command (also `python -m cake_rmsnorm`): plan, build, wheel, verify, explain,
-doctor.
+doctor, matrix.
 
 The build machinery is imported only by the commands that need it, so `plan` and `explain` run on
 any machine with nothing but this package.
@@ -77,7 +77,8 @@ def cmd_explain(args, reg: Registry) -> int:
     doc = {"arch": args.arch, "backend": args.backend, "direction": args.direction, "H": args.H,
            "T": args.T, "weight_dtype": args.weight_dtype, "residual": args.residual,
            "program": program.name, "form": program.form, "reduction": program.reduction,
-           "library": route.library.name, "window": [window.first, window.last]}
+           "library": route.library.name, "window": [window.first, window.last],
+           "window_label": window.label or None}
     fallback = reg.fallback(route.library) if route.library.oversized else None
     if fallback is not None:
         doc["gated"] = {"smem_bytes": route.library.smem_bytes, "fallback": fallback.name}
@@ -87,7 +88,8 @@ def cmd_explain(args, reg: Registry) -> int:
     print(f"{route.table.describe()}, T={args.T}:")
     print(f"  runs program {program.name} ({program.form}, {program.reduction} dw sums)")
     print(f"  from library {route.library.filename}")
-    print(f"  because the table's window {window.describe()} names it")
+    label = f" (override {window.label})" if window.label else ""
+    print(f"  because the table's window {window.describe()}{label} names it")
     print(f"  program: {program.about}")
     if fallback is not None:
         print(f"  gated: needs {route.library.smem_bytes} B of shared memory (oversized mode, CUDA "
@@ -143,6 +145,22 @@ def cmd_doctor(args, reg: Registry) -> int:
     return 0
 
 
+# ---- matrix ----------------------------------------------------------------------------------
+def cmd_matrix(args, reg: Registry) -> int:
+    from .matrix import load_matrix
+
+    cells = load_matrix(args.matrix, reg).select(args.select)
+    if args.json:  # one line: CI writes it to $GITHUB_OUTPUT and reads it with fromJSON
+        print(json.dumps({"include": [c.to_dict() for c in cells]}, separators=(",", ":")))
+    elif args.print_build_identifiers:
+        print("\n".join(c.identifier for c in cells))
+    else:
+        for c in cells:
+            print(f"{c.identifier:<28} {c.arch:<8} {c.platform.wheel_tag:<24} "
+                  f"nvcc {c.toolkit.nvcc}  runner {c.platform.runner}")
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cake-rmsnorm", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"cake-rmsnorm {__version__}")
@@ -190,6 +208,16 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="CUDA runtime, driver, devices, limits, installed wheels, and "
                                       "which gated programs this process would run")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("matrix", help="the CI build matrix (ci/matrix.toml): cells of arch, host "
+                                      "platform and toolkit")
+    p.add_argument("--print-build-identifiers", action="store_true",
+                   help="one cell identifier a line, e.g. sm100a-manylinux_x86_64")
+    p.add_argument("--select", action="append", metavar="GLOB",
+                   help="identifier globs (space or comma separated, repeatable; default: all)")
+    p.add_argument("--json", action="store_true", help="the cells as a CI job matrix {include: [...]}")
+    p.add_argument("--matrix", help="matrix file (default: ci/matrix.toml of this checkout)")
+    p.set_defaults(func=cmd_matrix)
     return parser
 
 

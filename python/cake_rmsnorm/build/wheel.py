@@ -33,7 +33,17 @@ from .toolchain import find_ninja
 EPOCH_MIN = 315532800  # 1980-01-01: the earliest time a zip can hold
 PROVIDER_REQUIRES = ("nvidia-cuda-runtime>=13.0,<14",)
 PLATFORM = f"manylinux_2_28_{platform.machine()}"
+PLATFORM_ENV = "CAKE_RMSNORM_WHEEL_PLATFORM"  # a cross build's tag, e.g. manylinux_2_28_aarch64
 Files = Dict[str, Tuple[bytes, int]]  # archive path -> (content, mode)
+
+
+def wheel_platform() -> str:
+    """The provider wheels' platform tag: this machine's, or $CAKE_RMSNORM_WHEEL_PLATFORM."""
+    tag = os.environ.get(PLATFORM_ENV) or PLATFORM
+    if not re.fullmatch(r"manylinux_\d+_\d+_(x86_64|aarch64)", tag):
+        raise PackagingError(f"${PLATFORM_ENV} = {tag!r}: expected manylinux_<glibc major>_<minor>"
+                             f"_x86_64 or _aarch64, e.g. manylinux_2_28_aarch64")
+    return tag
 
 
 def _timestamp() -> Tuple[int, int, int, int, int, int]:
@@ -165,7 +175,8 @@ def _provider_manifest(arch: Arch, reg: Registry, tree: ArchTree, version: str,
     return Manifest(SCHEMA_VERSION, version, arch.name, str(record["toolkit"]), tuple(entries))
 
 
-def _provider_files(arch: Arch, manifest: Manifest, tree: ArchTree, project: dict) -> Files:
+def _provider_files(arch: Arch, manifest: Manifest, tree: ArchTree, project: dict,
+                    tag: str) -> Files:
     pkg, dist = provider_package(arch.tag), provider_distribution(arch.tag)
     version = manifest.version
     init = (f'"""Prebuilt cake-rmsnorm libraries for {arch.name} ({arch.gpus}); loaded by '
@@ -181,7 +192,7 @@ def _provider_files(arch: Arch, manifest: Manifest, tree: ArchTree, project: dic
         meta.append(f"Requires-Python: {project['requires-python']}")
     meta += [f"Requires-Dist: {dep}" for dep in PROVIDER_REQUIRES]
     files[f"{dist_info}/METADATA"] = (("\n".join(meta) + "\n").encode(), 0o644)
-    files[f"{dist_info}/WHEEL"] = (_wheel_file(False, f"py3-none-{PLATFORM}"), 0o644)
+    files[f"{dist_info}/WHEEL"] = (_wheel_file(False, f"py3-none-{tag}"), 0o644)
     files[f"{dist_info}/top_level.txt"] = (f"{pkg}\n".encode(), 0o644)
     return files
 
@@ -195,15 +206,16 @@ def write_wheels(archs: Iterable[Union[Arch, str]], out_dir: Union[str, Path],
     root = Path(source_root).resolve() if source_root else default_source_root()
     project, version = _project(root)
     out = Path(out_dir)
+    tag = wheel_platform()
     providers = []
     with build_lock(Path(build_dir)):  # a concurrent build must not swap libraries under us
         for arch in arch_list:  # every arch checked and read before any wheel is written
             tree = ArchTree.of(Path(build_dir), arch.name)
             manifest = _provider_manifest(arch, reg, tree, version, widths)
             dist = _normalize(provider_distribution(arch.tag))
-            providers.append((f"{dist}-{version}-py3-none-{PLATFORM}.whl",
+            providers.append((f"{dist}-{version}-py3-none-{tag}.whl",
                               f"{dist}-{version}.dist-info",
-                              _provider_files(arch, manifest, tree, project)))
+                              _provider_files(arch, manifest, tree, project, tag)))
     wheels = [_write_wheel(out, f"cake_rmsnorm-{version}-py3-none-any.whl",
                            f"cake_rmsnorm-{version}.dist-info",
                            _shim_files(root, project, version, reg))]
