@@ -1,128 +1,86 @@
-"""Side-by-side RMSNorm timing on the GPU: cake-rmsnorm (det, fast) against torch eager and
-torch.compile, same inputs, same run.
+"""Side-by-side RMSNorm timing on one GPU: cake-rmsnorm (det, fast) against torch eager,
+torch.compile and Liger (where it imports), same inputs, same run.
 
-Kernel time is the median CUDA-graph replay time with L2 flushed before each replay (the backward's
-is the training step's minus the forward's, both captured whole); effective
-bandwidth counts forward 4·T·H bytes and backward 6·T·H bytes (bf16 x, y / x, dy, dx), and is
-reported against the device's measured copy bandwidth. Writes JSON and a markdown table.
+- kernel time: median CUDA-graph replay with L2 flushed; forward alone, and forward + backward
+  captured whole (the backward is their difference, so autograd runs on the capturing stream);
+- effective bandwidth: forward 4·T·H bytes, backward 6·T·H (bf16 x, y / x, dy, dx), and its ratio to
+  the device's copy bandwidth measured in the same run;
+- eager step: wall time of forward + backward without graphs (host overhead included);
+- ratios: each peer's time over ours (> 1: we are faster).
+Writes bench.json, bench.md and one PNG per width (time vs T, a line per implementation).
 
-    python benchmarks/bench_rmsnorm.py --widths 4096,8192 --tokens 4096,65536 --out results
+    python benchmarks/bench_rmsnorm.py --widths 2048,4096 --tokens 128,4096,65536 --out results
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-import cake_rmsnorm
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import OURS, available  # noqa: E402
+from report import markdown, plots  # noqa: E402
+from timing import copy_bandwidth_gbs, eager_time_ms, graph_time_ms  # noqa: E402
 
-L2_FLUSH_BYTES = 256 << 20
-
-
-def graph_time_ms(fn, reps: int = 20) -> float:
-    """Median time of one call of fn, replayed as a CUDA graph after an L2 flush."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+EPS = 1e-6
 
 
-def copy_bandwidth_gbs() -> float:
-    """An elementwise copy kernel over 1 GiB (bytes read plus written). Not copy_: a contiguous
-    copy_ is a memcpy, which measured 2.7 TB/s on the H200 here, below what our own kernels move."""
-    src = torch.empty(1 << 26, 4, dtype=torch.float32, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    ms = graph_time_ms(lambda: torch.mul(src, 1.0, out=dst))
-    return 2 * src.numel() * src.element_size() / ms / 1e6
-
-
-def eager_rmsnorm(x, w, eps):
-    var = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(var + eps) * w.float()).to(x.dtype)
-
-
-def implementations():
-    compiled = torch.compile(eager_rmsnorm, fullgraph=True)
-    return {
-        "cake_det": lambda x, w, eps: cake_rmsnorm.rms_norm(x, w, eps, backend="det"),
-        "cake_fast": lambda x, w, eps: cake_rmsnorm.rms_norm(x, w, eps, backend="fast"),
-        "torch_eager": eager_rmsnorm,
-        "torch_compile": compiled,
-    }
-
-
-def measure(name, impl, hidden, tokens, eps=1e-6):
-    """Forward alone, and the training step (forward + backward) captured as one graph: the
-    backward's time is their difference, so autograd runs on the capturing stream."""
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (1 + 0.1 * torch.randn(hidden, device="cuda")).requires_grad_()
-    dy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+def measure(name, impl, hidden, tokens, eager_reps):
+    gen = torch.Generator(device="cuda").manual_seed(hidden + tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).requires_grad_()
+    dy = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
     with torch.no_grad():
-        fwd_ms = graph_time_ms(lambda: impl(x, w, eps))
+        fwd_ms = graph_time_ms(lambda: impl(x, w, EPS))
 
     def step():
-        torch.autograd.grad(impl(x, w, eps), (x, w), dy)
+        torch.autograd.grad(impl(x, w, EPS), (x, w), dy)
     step_ms = graph_time_ms(step)
+    eager_ms = eager_time_ms(step, reps=eager_reps)
     bwd_ms = max(step_ms - fwd_ms, 1e-6)
-    nbytes = tokens * hidden * 2
+    elems = tokens * hidden
     return {"impl": name, "H": hidden, "T": tokens, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
-            "step_ms": step_ms, "fwd_gbs": 2 * nbytes / fwd_ms / 1e6,
-            "bwd_gbs": 3 * nbytes / bwd_ms / 1e6}
+            "step_ms": step_ms, "eager_step_ms": eager_ms, "fwd_gbs": 4 * elems / fwd_ms / 1e6,
+            "bwd_gbs": 6 * elems / bwd_ms / 1e6}
 
 
-def markdown(rows, copy_gbs) -> str:
-    lines = [f"copy bandwidth: {copy_gbs:.0f} GB/s", "",
-             "| H | T | impl | fwd ms | fwd GB/s | fwd/copy | bwd ms | bwd GB/s | bwd/copy "
-             "| bwd vs torch.compile |", "|" + "---|" * 10]
-    for row in rows:
-        peer = next((r for r in rows if r["impl"] == "torch_compile" and r["H"] == row["H"]
-                     and r["T"] == row["T"]), None)
-        ratio = f"{peer['bwd_ms'] / row['bwd_ms']:.2f}x" if peer else "-"
-        lines.append(f"| {row['H']} | {row['T']} | {row['impl']} | {row['fwd_ms']:.4f} | "
-                     f"{row['fwd_gbs']:.0f} | {row['fwd_gbs'] / copy_gbs:.2f} | {row['bwd_ms']:.4f} "
-                     f"| {row['bwd_gbs']:.0f} | {row['bwd_gbs'] / copy_gbs:.2f} | {ratio} |")
-    return "\n".join(lines)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--widths", default="4096,8192")
-    parser.add_argument("--tokens", default="4096,65536")
-    parser.add_argument("--out", default="bench-results")
-    args = parser.parse_args()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--widths", default="256,1536,2048,4096,5120,6144,8192")
+    ap.add_argument("--tokens", default="128,1024,4096,16384,65536,262144")
+    ap.add_argument("--impls", default="", help="comma list (default: all that import)")
+    ap.add_argument("--out", default="bench-results")
+    args = ap.parse_args(argv)
+    impls, missing = available([n for n in args.impls.split(",") if n] or None)
+    for name, why in missing.items():
+        print(f"left out {name}: {why}", flush=True)
     copy_gbs = copy_bandwidth_gbs()
+    print(f"copy bandwidth {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
     rows = []
     for hidden in map(int, args.widths.split(",")):
         for tokens in map(int, args.tokens.split(",")):
-            for name, impl in implementations().items():
-                rows.append(measure(name, impl, hidden, tokens))
+            for name, impl in impls.items():
+                row = measure(name, impl, hidden, tokens, eager_reps=50 if tokens <= 16384 else 5)
+                rows.append(row)
+                print(f"H {hidden} T {tokens} {name}: fwd {row['fwd_ms']:.4f} ms, bwd "
+                      f"{row['bwd_ms']:.4f} ms, eager step {row['eager_step_ms']:.4f} ms", flush=True)
+            torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps({"copy_gbs": copy_gbs, "rows": rows}, indent=2))
-    table = markdown(rows, copy_gbs)
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbs": copy_gbs,
+           "left_out": missing, "rows": rows}
+    (out / "bench.json").write_text(json.dumps(doc, indent=1))
+    table = markdown(rows, copy_gbs, ours=[n for n in OURS if n in impls])
     (out / "bench.md").write_text(table + "\n")
     print(table)
+    for path in plots(rows, out):
+        print(f"wrote {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -59,7 +59,8 @@ def main(argv) -> int:
     tc = preflight([reg.arch(args.arch)])
     index_file = out / "index.json"
     earlier = json.loads(index_file.read_text())["libraries"] if index_file.is_file() else []
-    index = [e for e in earlier if e["name"] not in {lib.name for lib in libs}]
+    index = [e for e in earlier  # earlier runs' libraries of programs that still exist, not rebuilt
+             if e["name"] not in {lib.name for lib in libs} and e["program"] in reg.programs]
     with cf.ThreadPoolExecutor(max_workers=args.j) as pool:
         futures = {pool.submit(compile_one, lib, out, tc): lib for lib in libs}
         for n, fut in enumerate(cf.as_completed(futures), 1):

@@ -40,9 +40,9 @@ def _with_route(reg, spec, program_name):
 # A window's route replaced by a plausible wrong one: its neighbour's program, another form, another
 # reduction, the program it must differ from. Each must fail the window's check.
 MUTANTS = [
-    ("F1", "fast_single_b2"), ("F2", "det_pair_c64"), ("F9", "fast_single_blk16_b4"),
+    ("F1", "fast_single_b2"), ("F2", "det_pair_c64"), ("F9", "fast_single_blk4_b4"),
     ("F10", "fast_single_b2"), ("F11", "fast_single_b2"), ("F12", "fast_single_b2"),
-    ("F13", "fast_single_b2"), ("F14", "fast_single_twosum_b2"), ("F16", "fast_single_blk16_b4"),
+    ("F13", "fast_single_b2"), ("F14", "fast_single_twosum_b2"), ("F16", "fast_single_blk4_b4"),
     ("F17", "fast_single_b2"), ("F18", "fast_single_b2"), ("D1", "det_pair_c64"),
     ("D2", "det_column_task_f64_c64s8"), ("D3", "det_column_task_c64s8"), ("D5", "det_pair_c64"),
     ("D6", "det_pair_c64"), ("W1", "fwd_rows4"),

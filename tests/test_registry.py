@@ -87,30 +87,30 @@ def test_bad_queries_name_the_argument(reg, args, match):
 
 def test_gap_is_an_error_naming_table_and_window(scratch):
     data, edit = scratch
-    edit("routes.toml", "{ first = 257, program", "{ first = 300, program")
-    with pytest.raises(RegistryError, match=r"gap at window T 300\.\.inf.*expected it to start at T 257"):
+    edit("routes.toml", "{ first = 257, last = 65536, program", "{ first = 300, last = 65536, program")
+    with pytest.raises(RegistryError, match=r"gap at window T 300\.\.65536.*expected it to start at T 257"):
         build_registry(data)
 
 
 def test_overlap_is_an_error(scratch):
     data, edit = scratch
-    edit("routes.toml", "{ first = 257, program", "{ first = 200, program")
+    edit("routes.toml", "{ first = 257, last = 65536, program", "{ first = 200, last = 65536, program")
     with pytest.raises(RegistryError, match=r"table sm_90a det bwd H=1536.*overlap at window T 200"):
         build_registry(data)
 
 
 def test_missing_end_window_is_a_gap(scratch):
     data, edit = scratch
-    edit("routes.toml", '{ first = 1, program = "fast_single_b2" }',
-         '{ first = 1, last = 100, program = "fast_single_b2" }')
-    with pytest.raises(RegistryError, match="gap after T 100"):
+    edit("routes.toml", '{ first = 65537, program = "fast_single_twosum_b2" }',
+         '{ first = 65537, last = 100000, program = "fast_single_twosum_b2" }')
+    with pytest.raises(RegistryError, match="gap after T 100000"):
         build_registry(data)
 
 
 def test_unknown_program_is_an_error(scratch):
     data, edit = scratch
     edit("routes.toml", 'program = "det_pair_c64" }', 'program = "det_pair_c65" }')
-    with pytest.raises(RegistryError, match=r"window T 257\.\.inf: unknown program 'det_pair_c65'"):
+    with pytest.raises(RegistryError, match=r"window T 257\.\.65536: unknown program 'det_pair_c65'"):
         build_registry(data)
 
 
@@ -155,7 +155,17 @@ def test_override_splices_its_window_and_keeps_the_rest(reg):
     windows = reg.table(TableKey("sm_103a", "fast", "bwd", "fp32", False, 2048))
     spans = [(w.first, w.last, w.program.name, w.label) for w in windows]
     assert spans == [(1, 58496, "fast_single_b2", ""), (58497, 61952, "det_pair_c64", "F1"),
-                     (61953, None, "fast_single_b2", "")]
+                     (61953, 65536, "fast_single_b2", ""), (65537, None, "fast_single_twosum_b2", "")]
+
+
+def test_a_route_past_a_programs_max_tokens_is_an_error(scratch):
+    data, edit = scratch
+    edit("routes.toml", '{ first = 257, last = 65536, program = "det_pair_c64" },\n  '
+                        '{ first = 65537, program = "det_pair_ts_c64" },',
+         '{ first = 257, program = "det_pair_c64" },')
+    with pytest.raises(RegistryError, match=r"window T 257\.\.inf: program 'det_pair_c64' holds the dw "
+                                            r"budget only up to T 65536"):
+        build_registry(data)
 
 
 def test_overlapping_overrides_on_one_table_are_an_error(scratch):

@@ -24,9 +24,12 @@ from typing import Dict, List
 
 # The flags every library is built with (DESIGN.md: exact IEEE division and sqrt, no FTZ; SASS
 # only; the CUDA runtime is found through the nvidia-cuda-runtime wheel beside the provider).
+# `-Xlinker -s` drops the static symbol table, where nvcc leaves its temp file's name (tmpxft_<pid>_…):
+# with it two builds of one source give the same bytes. The exported ABI (.dynsym) stays.
 FLAGS = ["-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-O3", "--prec-div=true",
          "--prec-sqrt=true", "--ftz=false", "-Xfatbin=-compress-all", "-cudart", "none",
-         "-l:libcudart.so.13", "-Xlinker", "-rpath,$ORIGIN/../../nvidia/cu13/lib", "-Xptxas", "-v"]
+         "-l:libcudart.so.13", "-Xlinker", "-rpath,$ORIGIN/../../nvidia/cu13/lib", "-Xlinker", "-s",
+         "-Xptxas", "-v"]
 TMP_SUFFIX = ".tmp"  # temp names: .<output name>.<pid>.tmp; the orchestrator sweeps stale ones
 
 

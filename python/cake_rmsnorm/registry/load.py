@@ -86,7 +86,7 @@ def parse_programs(doc: dict, source: str) -> Dict[str, Program]:
     for name, raw in _require(doc, "program", source).items():
         where = f"{source} program {name!r}"
         _check_unknown(raw, ("kernel", "reduction", "deterministic", "params", "smem", "about",
-                             "oversized", "fallback"), where)
+                             "oversized", "fallback", "max_tokens"), where)
         kname = _require(raw, "kernel", where)
         if kname not in kernels:
             raise RegistryError(f"{where}: unknown kernel {kname!r}; known: {sorted(kernels)}")
@@ -111,7 +111,11 @@ def parse_programs(doc: dict, source: str) -> Dict[str, Program]:
             params=tuple((p, params[p]) for p in kernel.params),
             smem_fixed=int(smem.get("fixed", 0)), smem_per_h=int(smem.get("per_h", 0)),
             about=raw.get("about", ""), oversized=bool(raw.get("oversized", False)),
-            fallback=raw.get("fallback"))
+            fallback=raw.get("fallback"), max_tokens=raw.get("max_tokens"))
+        if programs[name].max_tokens is not None and (
+                not isinstance(programs[name].max_tokens, int) or programs[name].max_tokens < 1):
+            raise RegistryError(f"{where}: max_tokens {programs[name].max_tokens!r} must be a "
+                                f"positive integer")
     for program in programs.values():
         check_fallback(program, programs, f"{source} program {program.name!r}")
     return programs
@@ -201,6 +205,9 @@ def _window(raw: dict, key: TableKey, programs: Mapping[str, Program], table: st
                             f"program {pname!r}")
     if last is not None and last < first:
         raise RegistryError(f"{table}, window {span}: last is below first")
+    if program.max_tokens is not None and (last is None or last > program.max_tokens):
+        raise RegistryError(f"{table}, window {span}: program {pname!r} holds the dw budget only up "
+                            f"to T {program.max_tokens} (its max_tokens)")
     return Window(first, last, program, label)
 
 

@@ -6,15 +6,16 @@
  * most 512 threads); grid = min(nchunks, resident blocks, grid_cap), blocks grid-stride over chunks.
  * For each row of its chunk, in row order, the block computes dx (bwd_row) and each thread adds
  * the row's dw terms of its own columns into FP32 registers, so every column of a chunk is summed
- * by one thread in row order (twosum: a TwoSum pair per column, rounded to one FP32 partial at the
- * chunk's end). The chunk partial goes to workspace[chunk][H] (fp32).
+ * by one thread in row order (twosum: a TwoSum pair per column). The chunk partial goes to
+ * workspace[chunk][H] (fp32); twosum also writes the compensation to a second plane after it.
  * Reduce kernel: a block of 32 columns x kSplits warps; warp s sums, in chunk order, the contiguous
  * segment s of the chunks (segments depend only on T) — in FP64 (fp64_fold) or as an FP32 TwoSum
  * pair (twosum) — then warp 0 adds the kSplits segment sums in split order (FP64, or TwoSum) and
  * writes dw (rounded once to the weight dtype).
  * Every sum has an order fixed by T and compile-time constants only: the bits depend only on the
  * inputs, not on SM count, grid_cap or timing.
- * workspace_bytes = align256(nchunks * H * 4), nchunks = ceil(T / kChunkRows).
+ * workspace_bytes = align256(planes * nchunks * H * 4), nchunks = ceil(T / kChunkRows), planes = 1
+ * (fp64_fold) or 2 (twosum: sums, then compensations).
  */
 #ifndef CAKE_RMSNORM_PROGRAMS_BWD_PAIR_CUH
 #define CAKE_RMSNORM_PROGRAMS_BWD_PAIR_CUH
@@ -52,8 +53,20 @@ struct BwdPair {
   static constexpr int kBlocksPerSm = 1;  // fallback when the occupancy query fails
 
   __host__ __device__ static int64_t nchunks(int64_t T) { return (T + kChunkRows - 1) / kChunkRows; }
+  static constexpr int kPlanes = kR == Reduction::kTwoSum ? 2 : 1;
   static size_t workspace_bytes(int64_t T, int /*sm_count*/) {
-    return align256(static_cast<size_t>(nchunks(T)) * H * sizeof(float));
+    return align256(static_cast<size_t>(kPlanes) * nchunks(T) * H * sizeof(float));
+  }
+
+  // This thread's columns of one chunk row (8 floats per vector slot, two 16-byte stores).
+  static __device__ __forceinline__ void store_chunk(float* out, const float (&v)[L::kCols], int t) {
+#pragma unroll
+    for (int k = 0; k < L::kVPT; ++k) {
+      if (!L::valid(k, t)) continue;
+      float4* o = reinterpret_cast<float4*>(out) + 2 * L::vec(k, t);
+      o[0] = make_float4(v[k * kVec + 0], v[k * kVec + 1], v[k * kVec + 2], v[k * kVec + 3]);
+      o[1] = make_float4(v[k * kVec + 4], v[k * kVec + 5], v[k * kVec + 6], v[k * kVec + 7]);
+    }
   }
 
   static __device__ __forceinline__ void run_main(const cake_bwd_args_t& a) {
@@ -85,18 +98,8 @@ struct BwdPair {
                                  }
                                });
       }
-      if constexpr (kR == Reduction::kTwoSum) {
-#pragma unroll
-        for (int i = 0; i < L::kCols; ++i) acc[i] += comp[i];
-      }
-      float* out = part + ch * H;
-#pragma unroll
-      for (int k = 0; k < L::kVPT; ++k) {
-        if (!L::valid(k, t)) continue;
-        float4* o = reinterpret_cast<float4*>(out) + 2 * L::vec(k, t);
-        o[0] = make_float4(acc[k * kVec + 0], acc[k * kVec + 1], acc[k * kVec + 2], acc[k * kVec + 3]);
-        o[1] = make_float4(acc[k * kVec + 4], acc[k * kVec + 5], acc[k * kVec + 6], acc[k * kVec + 7]);
-      }
+      store_chunk(part + ch * H, acc, t);
+      if constexpr (kR == Reduction::kTwoSum) store_chunk(part + (nch + ch) * H, comp, t);
     }
   }
 
@@ -108,19 +111,19 @@ struct BwdPair {
     c1 = c0 + seg < nch ? c0 + seg : nch;
   }
 
-  // add(v) for the chunk partials p[c*H], c in [c0, c1), in chunk order (4 loads in flight).
+  // add(v, c) for the chunk partials v = p[c*H], c in [c0, c1), in chunk order (4 loads in flight).
   template <class Add>
   static __device__ __forceinline__ void fold_chunks(const float* p, int64_t c0, int64_t c1, Add&& add) {
     int64_t c = c0;
     for (; c + 4 <= c1; c += 4) {
       const float v0 = __ldcg(p + (c + 0) * H), v1 = __ldcg(p + (c + 1) * H);
       const float v2 = __ldcg(p + (c + 2) * H), v3 = __ldcg(p + (c + 3) * H);
-      add(v0);
-      add(v1);
-      add(v2);
-      add(v3);
+      add(v0, c);
+      add(v1, c + 1);
+      add(v2, c + 2);
+      add(v3, c + 3);
     }
-    for (; c < c1; ++c) add(__ldcg(p + c * H));
+    for (; c < c1; ++c) add(__ldcg(p + c * H), c);
   }
 
   // Warp 0 adds the kSplits segment sums in split order (FP64) and writes dw; block-wide barriers.
@@ -163,12 +166,13 @@ struct BwdPair {
       const float* p = part + (col < H ? col : 0);
       const int64_t e1 = col < H ? c1 : c0;  // past H: an empty segment, barriers only
       if constexpr (kR == Reduction::kTwoSum) {
+        const float* q = p + nchunks(a.T) * H;  // the compensation plane
         float S = 0.f, C = 0.f;
-        fold_chunks(p, c0, e1, [&](float v) { two_sum_add(S, C, v, 0.f); });
+        fold_chunks(p, c0, e1, [&](float v, int64_t c) { two_sum_add(S, C, v, __ldcg(q + c * H)); });
         combine_splits(a, reinterpret_cast<float2*>(dyn_smem()), s, lane, col, make_float2(S, C));
       } else {
         double sum = 0.0;
-        fold_chunks(p, c0, e1, [&](float v) { sum += static_cast<double>(v); });
+        fold_chunks(p, c0, e1, [&](float v, int64_t) { sum += static_cast<double>(v); });
         combine_splits(a, reinterpret_cast<double*>(dyn_smem()), s, lane, col, sum);
       }
     }
