@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import OURS, available  # noqa: E402
 
-from cake_rmsnorm import accuracy  # noqa: E402
+from cake_rmsnorm import accuracy, ops  # noqa: E402,F401  (ops registers torch.ops.cake_rmsnorm)
 from cake_rmsnorm.registry import load_registry  # noqa: E402
 from cake_rmsnorm.runtime import device  # noqa: E402
 
@@ -112,6 +112,8 @@ def main(argv=None) -> int:
         print(f"left out {name}: {why}", flush=True)
     arch = device.device_info(torch.cuda.current_device()).arch.name
     rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for hidden in map(int, args.widths.split(",")):
         for tokens in map(int, args.tokens.split(",")):
             for wname in args.weights.split(","):
@@ -121,8 +123,8 @@ def main(argv=None) -> int:
             worst = {r["impl"]: r["worst"] for r in rows if r["H"] == hidden and r["T"] == tokens}
             print(f"H {hidden} T {tokens}: " + ", ".join(f"{k} {v:.3f}" for k, v in worst.items()),
                   flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+        # after each width, so a run cut short still leaves what it measured
+        (out / "accuracy.json").write_text(json.dumps({"arch": arch, "left_out": missing, "rows": rows}))
     (out / "accuracy.json").write_text(json.dumps({"arch": arch, "left_out": missing, "rows": rows}))
     table = summary(rows)
     (out / "accuracy.md").write_text(table + "\n")

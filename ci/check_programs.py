@@ -18,54 +18,23 @@ from pathlib import Path
 
 import torch
 
-from cake_rmsnorm import accuracy
-from cake_rmsnorm.registry import load_registry
-from cake_rmsnorm.runtime import abi, device
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from library_calls import (EPS, BwdCall, FwdCall, bits, fp32_rstd, inputs, load_folder,  # noqa: E402
+                           open_entry)
 
-EPS = 1e-6
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from cake_rmsnorm import accuracy  # noqa: E402
+from cake_rmsnorm.registry import load_registry  # noqa: E402
+
 TOKENS = {"forward": (1, 3, 1025, 65537), "column_task": (1, 3, 171, 256, 1025),
           "pair": (1, 3, 257, 1025, 65537), "single": (1, 3, 257, 1025, 65537)}
 LARGE = (262145, 524288)  # with --large: single and pair forms at H <= 5120, FP32 weight, no residual
 
 
-def bits(t):
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
-
-
-def inputs(hidden, tokens, wd, res):
-    g = torch.Generator(device="cuda").manual_seed(hidden * 1_000_003 + tokens)
-    rn = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
-    x = rn(tokens, hidden).bfloat16()
-    r = rn(tokens, hidden).bfloat16() if res else None
-    dy = rn(tokens, hidden).bfloat16()
-    dh = rn(tokens, hidden).bfloat16() if res else None
-    w = (1 + 0.1 * rn(hidden)).to(DTYPES[wd])
-    return x, r, dy, dh, w
-
-
-def run_fwd(lib, x, r, w):
-    T, H = x.shape
-    y = torch.empty_like(x)
-    h = torch.empty_like(x) if r is not None else None
-    rstd = torch.empty(T, device="cuda", dtype=torch.float32)
-    lib.fwd(x.data_ptr(), r.data_ptr() if r is not None else 0, w.data_ptr(), y.data_ptr(),
-            h.data_ptr() if h is not None else 0, rstd.data_ptr(), T, EPS,
-            torch.cuda.current_stream().cuda_stream)
-    return y, h, rstd
-
-
 def run_bwd(lib, xn, dy, dh, w, rstd, sm, grid_cap=0):
-    T, H = xn.shape
-    dx = torch.empty_like(xn)
-    dw = torch.empty(H, device="cuda", dtype=w.dtype)
-    nbytes = lib.bwd_workspace_bytes(T, sm)
-    ws = torch.empty(max(nbytes, 1), device="cuda", dtype=torch.uint8)
-    lib.bwd(dy.data_ptr(), dh.data_ptr() if dh is not None else 0, xn.data_ptr(), w.data_ptr(),
-            rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(), ws.data_ptr(), nbytes, T, grid_cap,
-            torch.cuda.current_stream().cuda_stream)
+    call = BwdCall(lib, xn, dy, dh, w, rstd, sm, grid_cap)
+    call()
     torch.cuda.synchronize()
-    return dx, dw
+    return call.dx, call.dw
 
 
 def check(entry, lib, sm, large) -> dict:
@@ -80,15 +49,17 @@ def check(entry, lib, sm, large) -> dict:
     for T in tokens:
         x, r, dy, dh, w = inputs(H, T, wd, res)
         if form == "forward":
-            y, h, rstd = run_fwd(lib, x, r, w)
+            call = FwdCall(lib, x, r, w)
+            call()
             torch.cuda.synchronize()
+            y, h, rstd = call.y, call.h, call.rstd
             xn = (x + r) if r is not None else x
             if h is not None and not torch.equal(bits(h), bits(xn)):
                 fails.append(f"T {T}: residual_out != bf16(x + residual)")
             m = accuracy.measure(xn, w, None, None, {"y": y, "rstd": rstd}, EPS)
         else:
             xn = (x + r) if r is not None else x
-            rstd = torch.rsqrt(xn.float().pow(2).mean(1) + EPS)
+            rstd = fp32_rstd(xn)
             dx, dw = run_bwd(lib, xn, dy, dh, w, rstd, sm)
             m = accuracy.measure(xn, w, dy, dh, {"rstd": rstd, "dx": dx, "dw": dw}, EPS)
             if entry["deterministic"]:
@@ -111,17 +82,11 @@ def main(argv) -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--large", action="store_true")
     args = ap.parse_args(argv)
-    folder = Path(args.libs).resolve()
-    index = json.loads((folder / "index.json").read_text())
-    info = device.device_info(torch.cuda.current_device())
-    if info.arch.name != index["arch"]:
-        sys.exit(f"libraries are for {index['arch']}, this GPU is {info.arch.name}")
+    folder, index = load_folder(args.libs)
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     report, bad = [], 0
     for entry in index["libraries"]:
-        lib = abi.Library.open(folder / entry["file"], name=entry["name"], program=entry["program"],
-                               direction=entry["direction"], hidden=entry["H"],
-                               weight_dtype=entry["weight_dtype"], residual=entry["residual"])
+        lib = open_entry(folder, entry)
         row = check(entry, lib, sm, args.large)
         report.append(row)
         flag = "FAIL" if row["failures"] else ("WARN" if row["dw_ratio"] > 0.5 else "ok  ")

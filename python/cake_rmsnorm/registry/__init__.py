@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Dict, Iterable, Optional, Tuple
 
 from ..errors import RouteError
-from .load import DATA_DIR, check_gated, parse_archs, parse_programs, parse_routes, read_toml
+from .load import (DATA_DIR, apply_overrides, check_gated, parse_archs, parse_programs, parse_routes,
+                   read_toml)
 from .model import (FORMS, REDUCTIONS, Arch, Kernel, Library, LibraryKey, Program, Route, TableKey,
                     Window)
 
@@ -134,7 +135,11 @@ def build_registry(data_dir: Path) -> Registry:
                                               ("archs.toml", "programs.toml", "routes.toml"))
     archs, axes = parse_archs(read_toml(archs_file), archs_file.name)
     programs = parse_programs(read_toml(programs_file), programs_file.name)
-    tables = parse_routes(read_toml(routes_file), routes_file.name, archs, axes, programs)
+    routes_doc = read_toml(routes_file)
+    tables = parse_routes(routes_doc, routes_file.name, archs, axes, programs)
+    # The tuner's windows (data/tuned/<arch>.toml, generated, reviewed and committed) splice in too.
+    tuned = [(read_toml(path), f"tuned/{path.name}") for path in sorted((data_dir / "tuned").glob("*.toml"))]
+    apply_overrides([(routes_doc, routes_file.name)] + tuned, archs, axes, programs, tables)
     check_gated(tables, programs, axes["smem_optin_bytes"], routes_file.name)
     return Registry(archs=archs, widths=axes["widths"], weight_dtypes=axes["weight_dtypes"],
                     backends=axes["backends"], directions=axes["directions"],

@@ -269,7 +269,6 @@ def parse_routes(doc: dict, source: str, archs: Tuple[Arch, ...], axes: dict,
                                    axes["weight_dtypes"], (False, True), axes["widths"]):
         if TableKey(*combo) not in tables:
             raise RegistryError(f"{source}: gap: no table for {TableKey(*combo).describe()}")
-    apply_overrides(doc.get("override", []), source, archs, axes, programs, tables)
     return tables
 
 
@@ -283,16 +282,18 @@ def _keys(raw: dict, archs: Tuple[Arch, ...], axes: dict, where: str):
         _expand(raw, "H", axes["widths"], where)))
 
 
-def apply_overrides(raws: List[dict], source: str, archs: Tuple[Arch, ...], axes: dict,
+def apply_overrides(docs: List[Tuple[dict, str]], archs: Tuple[Arch, ...], axes: dict,
                     programs: Mapping[str, Program], tables: Dict[TableKey, Tuple[Window, ...]]) -> None:
-    """Splice each [[override]] window into the tables it names. Two overrides may not overlap on
-    one table (so their order in the file never matters)."""
+    """Splice each [[override]] window of each (document, file name) into the tables it names. Two
+    overrides may not overlap on one table, in one file or across files (so order never matters).
+    `measured` (the tuner's figures) is kept in the file for review only."""
     placed: Dict[TableKey, List[Tuple[Window, str]]] = {}
-    for i, raw in enumerate(raws):
+    raws = [(raw, source, i) for doc, source in docs for i, raw in enumerate(doc.get("override", []))]
+    for raw, source, i in raws:
         label = raw.get("window", "")
         where = f"{source} override #{i + 1}" + (f" ({label})" if label else "")
         _check_unknown(raw, ("window", "arch", "backend", "direction", "weight_dtype", "residual",
-                             "H", "first", "last", "program"), where)
+                             "H", "first", "last", "program", "measured"), where)
         window_raw = {k: raw[k] for k in ("first", "last", "program") if k in raw}
         for key in _keys(raw, archs, axes, where):
             table = f"{where} (table {key.describe()})"

@@ -1,0 +1,179 @@
+"""The route tuner: on the GPU, time every candidate program of this arch per (width, T), keep those
+inside half the dw budget on the tuner's inputs, and write the fastest as the arch's route windows:
+a TOML file of [[override]] entries (window = "tuned", each with the measurement that chose it) for
+python/cake_rmsnorm/registry/data/tuned/, to be reviewed and committed.
+
+    python ci/program_libs.py --out .carry/programs                     # here: every program, sm_90a
+    python benchmarks/tune_routes.py --libs .carry/programs --out tuned  # on the GPU
+
+Rules: candidates are the libraries of ci/program_libs.py at FP32 weight without residual (the
+chosen windows are written for every weight dtype and residual); det takes deterministic programs
+only, and a column task at T 1 (WINDOWS.md D1) but at H 256; fast takes every backward program
+(det's too); column-task programs are timed up to T 16384
+(their time grows with T per column); no program is timed past its max_tokens. Kernel time is the
+median CUDA-graph replay with L2 flushed (timing.py). A window runs from a grid point to the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from library_calls import BwdCall, FwdCall, fp32_rstd, inputs, load_folder, open_entry  # noqa: E402
+from timing import graph_time_ms  # noqa: E402
+
+from cake_rmsnorm import accuracy  # noqa: E402
+from cake_rmsnorm.registry import load_registry  # noqa: E402
+
+GRID = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 524288)
+COLUMN_TASK_MAX_T = 16384
+# Of the dw budget. The issue's rule rejects above 0.5; issue 4's accuracy goal is 0.25 everywhere,
+# and a window runs past its grid point, so the tuner keeps to 0.25.
+WORST_LIMIT = 0.25
+# Candidates within this of the fastest count as ties: the previous grid point's winner keeps the
+# window (fewer windows, det's bits change less often), else the fastest wins.
+TIE = 0.03
+
+
+def candidates(index, hidden, direction, plan=None):
+    """Libraries at FP32 weight, no residual; with `plan` (library names), only programs whose
+    libraries for every weight dtype and residual at this width are in it (e.g. an installed wheel)."""
+    def planned(program):
+        if plan is None:
+            return True
+        return all(f"{program}_h{hidden}_{wd}{'_res' if res else ''}" in plan
+                   for wd in ("fp32", "bf16") for res in (False, True))
+    return [e for e in index["libraries"] if e["H"] == hidden and e["direction"] == direction
+            and e["weight_dtype"] == "fp32" and not e["residual"] and planned(e["program"])]
+
+
+def allowed(entry, tokens, reg) -> bool:
+    limit = reg.programs[entry["program"]].max_tokens
+    if limit is not None and tokens > limit:
+        return False
+    return not (entry["form"] == "column_task" and tokens > COLUMN_TASK_MAX_T)
+
+
+def measure_point(folder, index, reg, hidden, tokens, sm, plan=None):
+    """Every candidate at (hidden, tokens): [{program, direction, ms, worst}]."""
+    x, _, dy, _, w = inputs(hidden, tokens, "fp32", False)
+    rstd = fp32_rstd(x)
+    ref = accuracy.reference_dw(x, dy, rstd)
+    rows = []
+    for direction in ("fwd", "bwd"):
+        for entry in candidates(index, hidden, direction, plan):
+            if not allowed(entry, tokens, reg):
+                continue
+            lib = open_entry(folder, entry)
+            call = FwdCall(lib, x, None, w) if direction == "fwd" else BwdCall(lib, x, dy, None, w, rstd, sm)
+            call()
+            torch.cuda.synchronize()
+            worst = accuracy.dw_errors(call.dw, ref)[0] if direction == "bwd" else 0.0
+            ms = graph_time_ms(call)
+            rows.append(dict(H=hidden, T=tokens, program=entry["program"], direction=direction,
+                             form=entry["form"],
+                             deterministic=entry["deterministic"], ms=ms, worst=worst))
+            del call
+    del x, dy, w, rstd, ref
+    torch.cuda.empty_cache()
+    return rows
+
+
+def winners(rows, hidden, backend, direction, limits=None):
+    """[(T, winner row, runner-up row or None)] over the grid. A program whose window (to the next
+    grid point) would pass its max_tokens (limits: program -> max_tokens) cannot win there."""
+    out = []
+    grid = sorted({r["T"] for r in rows if r["H"] == hidden})
+    for i, tokens in enumerate(grid):
+        end = grid[i + 1] - 1 if i + 1 < len(grid) else float("inf")
+        limits = limits or {}
+        # WINDOWS.md D1: det's smallest token counts run a column task on every arch, every width but 256
+        d1 = backend == "det" and direction == "bwd" and tokens == 1 and hidden != 256
+        pool = [r for r in rows if (not d1 or r["form"] == "column_task") and r["H"] == hidden and r["T"] == tokens and r["direction"] == direction
+                and r["worst"] <= WORST_LIMIT and (backend == "fast" or r["deterministic"])
+                and (limits.get(r["program"]) is None or end <= limits[r["program"]])]
+        if not pool:
+            raise SystemExit(f"no candidate holds {WORST_LIMIT} of the budget at H {hidden} T {tokens} "
+                             f"({backend} {direction})")
+        pool.sort(key=lambda r: r["ms"])
+        previous = out[-1][1]["program"] if out else None
+        ties = [r for r in pool if r["ms"] <= pool[0]["ms"] * (1 + TIE) and r["program"] == previous]
+        best = ties[0] if ties else pool[0]
+        rest = [r for r in pool if r is not best]
+        out.append((tokens, best, rest[0] if rest else None))
+    return out
+
+
+def windows(points):
+    """Coalesce grid winners into windows: (first, last or None, program, measured text)."""
+    result = []
+    for i, (tokens, best, second) in enumerate(points):
+        note = f"T {tokens}: {best['ms'] * 1e3:.1f} us (worst {best['worst']:.2f})"
+        if second:
+            note += f" vs {second['program']} {second['ms'] * 1e3:.1f} us"
+        if result and result[-1][2] == best["program"]:
+            result[-1][3].append(note)
+            continue
+        if result:
+            result[-1][1] = tokens - 1
+        first = 1 if i == 0 else tokens
+        result.append([first, None, best["program"], [note]])
+    return result
+
+
+def toml_text(rows, widths, arch, device_name, limits=None) -> str:
+    lines = [f"# Routes for {arch} chosen by benchmarks/tune_routes.py on {device_name},",
+             f"# {time.strftime('%Y-%m-%d')}: the fastest candidate inside {WORST_LIMIT} of the dw "
+             f"budget at each grid T ({', '.join(map(str, GRID))}); each window runs from its grid",
+             "# point to the next. `measured` keeps the figures that chose it. Generated; reviewed, "
+             "then committed.", ""]
+    for hidden in widths:
+        for backend, direction in (("all", "fwd"), ("det", "bwd"), ("fast", "bwd")):
+            pts = winners(rows, hidden, "det" if backend == "all" else backend, direction, limits)
+            for first, last, program, notes in windows(pts):
+                lines += ["[[override]]", 'window = "tuned"', f'arch = "{arch}"',
+                          f'backend = "{backend}"', f'direction = "{direction}"',
+                          'weight_dtype = "all"', 'residual = "all"', f"H = [{hidden}]",
+                          f"first = {first}"] + ([f"last = {last}"] if last is not None else []) + \
+                         [f'program = "{program}"', f'measured = "{"; ".join(notes)}"', ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--libs", required=True)
+    ap.add_argument("--widths", default="")
+    ap.add_argument("--out", default="tuned")
+    ap.add_argument("--plan", default="", help="`cake-rmsnorm plan --json` output: tune among the "
+                                               "programs whose libraries it lists (a built wheel's)")
+    args = ap.parse_args(argv)
+    folder, index = load_folder(args.libs)
+    reg, arch = load_registry(), index["arch"]
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    widths = [int(w) for w in args.widths.split(",") if w] or list(reg.widths)
+    plan = None
+    if args.plan:
+        doc = json.loads(Path(args.plan).read_text())
+        plan = {lib["name"] for p in doc if p["arch"] == arch for lib in p["libraries"]}
+    rows = []
+    for hidden in widths:
+        for tokens in GRID:
+            rows += measure_point(folder, index, reg, hidden, tokens, sm, plan)
+        print(f"H {hidden}: {sum(r['H'] == hidden for r in rows)} timings", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune.json").write_text(json.dumps(rows, indent=1))
+    limits = {name: p.max_tokens for name, p in reg.programs.items()}
+    (out / f"{arch}.toml").write_text(toml_text(rows, widths, arch, torch.cuda.get_device_name(), limits))
+    print(f"wrote {out / (arch + '.toml')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

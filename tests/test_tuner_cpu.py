@@ -1,0 +1,87 @@
+"""The route tuner's choice and output, on made-up timings (no GPU): the fastest candidate inside
+half the budget wins each grid point, det takes deterministic programs only, windows coalesce, and
+the TOML it writes loads into the registry and routes as chosen."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import tune_routes  # noqa: E402
+
+from cake_rmsnorm.registry import build_registry  # noqa: E402
+
+
+def _rows(hidden):
+    rows = []
+    for tokens in tune_routes.GRID:
+        small = tokens <= 256
+        rows += [
+            dict(H=hidden, T=tokens, program="fwd_rows4", direction="fwd", form="forward", deterministic=True,
+                 ms=1.0, worst=0.0),
+            dict(H=hidden, T=tokens, program="fwd_rows8", direction="fwd", form="forward", deterministic=True,
+                 ms=0.9 if tokens >= 65536 else 1.1, worst=0.0),
+            dict(H=hidden, T=tokens, program="det_column_task_c64s8", direction="bwd", form="column_task",
+                 deterministic=True, ms=0.5 if small else 9.0, worst=0.01),
+            dict(H=hidden, T=tokens, program="det_pair_ts_c64", direction="bwd", form="pair", deterministic=True,
+                 ms=2.0, worst=0.1),
+            # fastest everywhere, but outside half the budget at large T: must lose there
+            dict(H=hidden, T=tokens, program="fast_single_b2", direction="bwd", form="single", deterministic=False,
+                 ms=0.3, worst=0.9 if tokens >= 65536 else 0.2),
+            dict(H=hidden, T=tokens, program="fast_single_twosum_b2", direction="bwd", form="single",
+                 deterministic=False, ms=0.4, worst=0.001),
+        ]
+    return rows
+
+
+def test_winners_respect_the_budget_and_determinism():
+    rows = _rows(4096)
+    det = {t: best["program"] for t, best, _ in tune_routes.winners(rows, 4096, "det", "bwd")}
+    fast = {t: best["program"] for t, best, _ in tune_routes.winners(rows, 4096, "fast", "bwd")}
+    assert det[1] == "det_column_task_c64s8" and det[1024] == "det_pair_ts_c64"
+    assert fast[4096] == "fast_single_b2" and fast[65536] == "fast_single_twosum_b2"
+
+
+def test_windows_coalesce_from_grid_point_to_grid_point():
+    rows = _rows(4096)
+    wins = tune_routes.windows(tune_routes.winners(rows, 4096, "det", "bwd"))
+    assert [(w[0], w[1], w[2]) for w in wins] == [(1, 1023, "det_column_task_c64s8"),
+                                                  (1024, None, "det_pair_ts_c64")]
+
+
+def test_the_written_toml_loads_and_routes_as_chosen(scratch):
+    data, _ = scratch
+    rows = _rows(4096)
+    (data / "tuned").mkdir(exist_ok=True)
+    (data / "tuned" / "sm_90a.toml").write_text(tune_routes.toml_text(rows, [4096], "sm_90a", "test GPU"))
+    reg = build_registry(data)
+    route = lambda b, d, t: reg.route("sm_90a", b, d, 4096, t, "bf16", True).program.name  # noqa: E731
+    assert route("det", "bwd", 300) == "det_column_task_c64s8"
+    assert route("det", "bwd", 1024) == "det_pair_ts_c64"
+    assert route("fast", "bwd", 16384) == "fast_single_b2"
+    assert route("fast", "bwd", 70000) == "fast_single_twosum_b2"
+    assert route("fast", "fwd", 70000) == "fwd_rows8" and route("det", "fwd", 100) == "fwd_rows4"
+    assert reg.table(next(k for k in reg.tables if k.arch == "sm_90a" and k.hidden == 4096
+                          and k.backend == "fast" and k.direction == "bwd"))[0].label == "tuned"
+
+
+def test_a_program_cannot_win_a_window_past_its_max_tokens():
+    rows = [r for r in _rows(4096) if r["program"] != "fast_single_twosum_b2"]
+    for r in rows:
+        r["worst"] = 0.0
+    pts = tune_routes.winners(rows, 4096, "fast", "bwd", {"fast_single_b2": 65536})
+    won = {t: best["program"] for t, best, _ in pts}
+    assert won[16384] == "fast_single_b2"  # its window ends at 65535
+    assert won[65536] != "fast_single_b2"  # its window would run to 262143
+
+
+def test_det_runs_a_column_task_at_t1_even_when_slower():
+    rows = _rows(4096)
+    for r in rows:
+        if r["program"] == "det_column_task_c64s8":
+            r["ms"] = 50.0
+    won = {t: best["program"] for t, best, _ in tune_routes.winners(rows, 4096, "det", "bwd")}
+    assert won[1] == "det_column_task_c64s8" and won[4] == "det_pair_ts_c64"
