@@ -18,24 +18,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from library_calls import EPS, inputs  # noqa: E402
 from peers import OURS, available  # noqa: E402
 
 from cake_rmsnorm import accuracy, ops  # noqa: E402,F401  (ops registers torch.ops.cake_rmsnorm)
 from cake_rmsnorm.registry import load_registry  # noqa: E402
 from cake_rmsnorm.runtime import device  # noqa: E402
 
-EPS = 1e-6
-WDTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEER_MAX_ELEMENTS = 1 << 31  # the peers' FP32 temporaries: keep them inside GPU memory
-
-
-def inputs(hidden, tokens, wname, residual, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed * 7919 + hidden * 31 + tokens)
-    rn = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
-    x, dy = rn(tokens, hidden).bfloat16(), rn(tokens, hidden).bfloat16()
-    r = rn(tokens, hidden).bfloat16() if residual else None
-    w = (1 + 0.1 * rn(hidden)).to(WDTYPES[wname])
-    return x, r, dy, w
 
 
 def run_ours(backend, x, r, dy, w):
@@ -59,12 +49,9 @@ def run_peer(impl, x, r, dy, w):
 
 
 def sweep_point(impls, arch, hidden, tokens, wname, residual, seed):
-    x, r, dy, w = inputs(hidden, tokens, wname, residual, seed)
+    x, r, dy, _, w = inputs(hidden, tokens, wname, residual, seed)  # no residual gradient here
     xn = (x + r) if r is not None else x
-    rstd64 = torch.empty(tokens, dtype=torch.float64, device="cuda")
-    rows_per = max(1, accuracy.CHUNK_ELEMENTS // hidden)
-    for s in range(0, tokens, rows_per):
-        rstd64[s:s + rows_per] = torch.rsqrt(xn[s:s + rows_per].double().pow(2).mean(1) + EPS)
+    rstd64 = accuracy.reference_rstd(xn, EPS)
     ref_exact = accuracy.reference_dw(xn, dy, rstd64)
     eager = accuracy.dw_errors(accuracy.eager_fp32_dw(xn, dy, rstd64.float()), ref_exact)
     base = dict(H=hidden, T=tokens, weight=wname, residual=residual, seed=seed, eager_fp32_rel=eager[1])

@@ -29,7 +29,7 @@ from library_calls import BwdCall, FwdCall, fp32_rstd, inputs, load_folder, open
 from timing import graph_time_ms  # noqa: E402
 
 from cake_rmsnorm import accuracy  # noqa: E402
-from cake_rmsnorm.registry import load_registry  # noqa: E402
+from cake_rmsnorm.registry import LibraryKey, load_registry  # noqa: E402
 
 GRID = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 524288)
 COLUMN_TASK_MAX_T = 16384
@@ -47,8 +47,9 @@ def candidates(index, hidden, direction, plan=None):
     def planned(program):
         if plan is None:
             return True
-        return all(f"{program}_h{hidden}_{wd}{'_res' if res else ''}" in plan
-                   for wd in ("fp32", "bf16") for res in (False, True))
+        reg = load_registry()
+        return all(f"{program}_{LibraryKey(hidden, wd, res).suffix}" in plan
+                   for wd in reg.weight_dtypes for res in (False, True))
     return [e for e in index["libraries"] if e["H"] == hidden and e["direction"] == direction
             and e["weight_dtype"] == "fp32" and not e["residual"] and planned(e["program"])]
 
@@ -95,7 +96,8 @@ def winners(rows, hidden, backend, direction, limits=None):
         limits = limits or {}
         # WINDOWS.md D1: det's smallest token counts run a column task on every arch, every width but 256
         d1 = backend == "det" and direction == "bwd" and tokens == 1 and hidden != 256
-        pool = [r for r in rows if (not d1 or r["form"] == "column_task") and r["H"] == hidden and r["T"] == tokens and r["direction"] == direction
+        pool = [r for r in rows if (not d1 or r["form"] == "column_task")
+                and r["H"] == hidden and r["T"] == tokens and r["direction"] == direction
                 and r["worst"] <= WORST_LIMIT and (backend == "fast" or r["deterministic"])
                 and (limits.get(r["program"]) is None or end <= limits[r["program"]])]
         if not pool:

@@ -85,3 +85,12 @@ def test_det_runs_a_column_task_at_t1_even_when_slower():
             r["ms"] = 50.0
     won = {t: best["program"] for t, best, _ in tune_routes.winners(rows, 4096, "det", "bwd")}
     assert won[1] == "det_column_task_c64s8" and won[4] == "det_pair_ts_c64"
+
+
+def test_plan_keeps_only_programs_built_for_every_dtype_and_residual():
+    index = {"libraries": [dict(H=4096, direction="bwd", weight_dtype="fp32", residual=False, program=p)
+                           for p in ("det_pair_c64", "det_pair_ts_c64")]}
+    plan = {f"det_pair_c64_h4096_{wd}{res}" for wd in ("fp32", "bf16") for res in ("", "_res")}
+    plan.add("det_pair_ts_c64_h4096_fp32")  # one variant only: not a candidate
+    got = [e["program"] for e in tune_routes.candidates(index, 4096, "bwd", plan)]
+    assert got == ["det_pair_c64"]

@@ -67,7 +67,8 @@ def load_windows(reg) -> Tuple[WindowSpec, ...]:
         specs.append(WindowSpec(
             id=raw["id"], archs=_tuple(raw["arch"], reg.arch_names),
             backends=_tuple(raw["backend"], reg.backends), direction=raw.get("direction", "bwd"),
-            widths=_tuple(raw["H"], reg.widths), weight_dtypes=_tuple(raw.get("weight_dtype", ["fp32"])),
+            widths=tuple(h for h in _tuple(raw["H"], reg.widths) if h not in raw.get("except_H", ())),
+            weight_dtypes=_tuple(raw.get("weight_dtype", ["fp32"])),
             residuals=_tuple(raw.get("residual", [False])), first=raw["first"], last=raw.get("last"),
             form=raw.get("form"), reduction=raw.get("reduction"),
             differs_from=tuple(raw.get("differs_from", ())), same_as_det=raw.get("same_as_det", False),

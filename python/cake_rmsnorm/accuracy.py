@@ -60,6 +60,18 @@ def _rows(hidden: int) -> int:
     return max(1, CHUNK_ELEMENTS // hidden)
 
 
+def reference_rstd(xn, eps: float):
+    """FP64 rstd of each row of `xn`, in row chunks."""
+    import torch
+
+    tokens, hidden = xn.shape
+    out = torch.empty(tokens, dtype=torch.float64, device=xn.device)
+    for s in range(0, tokens, _rows(hidden)):
+        xs = xn[s:s + _rows(hidden)].double()
+        out[s:s + _rows(hidden)] = torch.rsqrt((xs * xs).mean(1) + eps)
+    return out
+
+
 def reference_dw(xn, dy, rstd):
     """FP64 Σ_rows dy · (xn · rstd) in row chunks (rstd: the forward's own FP32 rstd)."""
     import torch
@@ -73,21 +85,23 @@ def reference_dw(xn, dy, rstd):
 
 
 def eager_fp32_dw(xn, dy, rstd):
-    """The eager FP32 reduction peers use: (dy · x̂) in FP32, summed over rows by torch in FP32."""
+    """The eager FP32 reduction peers use: (dy · x̂) in FP32, summed over rows by torch in FP32.
+    Above 8 chunks of elements it sums FP32 chunk sums instead (to fit GPU memory): a slightly
+    different order than one torch sum, so the comparison there is with an eager-like reduction."""
     import torch
 
     tokens, hidden = xn.shape
-    if tokens * hidden <= CHUNK_ELEMENTS * 8:
-        return (dy.float() * (xn.float() * rstd.float()[:, None])).sum(0)
-    parts = [(dy[s:s + _rows(hidden)].float() * (xn[s:s + _rows(hidden)].float() *
-              rstd[s:s + _rows(hidden)].float()[:, None])).sum(0)
-             for s in range(0, tokens, _rows(hidden))]
-    return torch.stack(parts).sum(0)
+    rows = tokens if tokens * hidden <= CHUNK_ELEMENTS * 8 else _rows(hidden)
+    parts = [(dy[s:s + rows].float() * (xn[s:s + rows].float() * rstd[s:s + rows].float()[:, None])).sum(0)
+             for s in range(0, tokens, rows)]
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
 
 
 def dw_errors(dw, ref):
     """(worst element / budget, relative L2, message) of `dw` against the FP64 `ref`."""
-    own = BF16_U if str(dw.dtype) == "torch.bfloat16" else 0.0
+    import torch
+
+    own = BF16_U if dw.dtype == torch.bfloat16 else 0.0
     err = (dw.double() - ref).abs()
     ratios = err / (DW_ATOL + (DW_RTOL + own) * ref.abs())
     i = int(ratios.argmax())
@@ -102,14 +116,13 @@ def measure(xn, w, dy, dh, out: dict, eps: float) -> Measure:
 
     tokens, hidden = xn.shape
     w64 = w.double()
-    rstd_ref = torch.empty(tokens, dtype=torch.float64, device=xn.device)
+    rstd_ref = reference_rstd(xn, eps)
     y_ratio = dx_ratio = 0.0
     rstd_out = out.get("rstd")
     for s in range(0, tokens, _rows(hidden)):
         e = min(tokens, s + _rows(hidden))
         xs = xn[s:e].double()
-        rr = torch.rsqrt((xs * xs).mean(1) + eps)
-        rstd_ref[s:e] = rr
+        rr = rstd_ref[s:e]
         if out.get("y") is not None:
             y_ref = xs * rr[:, None] * w64
             y_tol = 2 * BF16_U * y_ref.abs() + 1e-6

@@ -138,7 +138,8 @@ def build_registry(data_dir: Path) -> Registry:
     routes_doc = read_toml(routes_file)
     tables = parse_routes(routes_doc, routes_file.name, archs, axes, programs)
     # The tuner's windows (data/tuned/<arch>.toml, generated, reviewed and committed) splice in too.
-    tuned = [(read_toml(path), f"tuned/{path.name}") for path in sorted((data_dir / "tuned").glob("*.toml"))]
+    tuned = [(read_toml(path), f"tuned/{path.name}")
+             for path in sorted((data_dir / "tuned").glob("*.toml"))]
     apply_overrides([(routes_doc, routes_file.name)] + tuned, archs, axes, programs, tables)
     check_gated(tables, programs, axes["smem_optin_bytes"], routes_file.name)
     return Registry(archs=archs, widths=axes["widths"], weight_dtypes=axes["weight_dtypes"],

@@ -238,16 +238,13 @@ def parse_windows(raw_windows: List[dict], key: TableKey, programs: Mapping[str,
 
 def splice(windows: Tuple[Window, ...], new: Window) -> Tuple[Window, ...]:
     """`windows` with [new.first, new.last] cut out of them and `new` put there."""
-    inf = float("inf")
-    new_last = inf if new.last is None else new.last
     out = [new]
     for w in windows:
-        w_last = inf if w.last is None else w.last
         if w.first < new.first:  # the part before `new`
-            out.append(dataclasses.replace(w, last=None if min(w_last, new.first - 1) == inf
-                                           else int(min(w_last, new.first - 1))))
-        if w_last > new_last:  # the part after `new`
-            out.append(dataclasses.replace(w, first=int(max(w.first, new_last + 1))))
+            out.append(dataclasses.replace(
+                w, last=new.first - 1 if w.last is None else min(w.last, new.first - 1)))
+        if new.last is not None and (w.last is None or w.last > new.last):  # the part after it
+            out.append(dataclasses.replace(w, first=max(w.first, new.last + 1)))
     return tuple(sorted(out, key=lambda w: w.first))
 
 
@@ -299,7 +296,7 @@ def apply_overrides(docs: List[Tuple[dict, str]], archs: Tuple[Arch, ...], axes:
             table = f"{where} (table {key.describe()})"
             new = _window(window_raw, key, programs, table, label)
             for other, other_where in placed.get(key, []):
-                if other.first <= (new.last or float("inf")) and new.first <= (other.last or float("inf")):
+                if other.overlaps(new):
                     raise RegistryError(f"{table}: overlap: window {new.describe()} meets "
                                         f"{other.describe()} of {other_where}")
             placed.setdefault(key, []).append((new, where))

@@ -168,6 +168,10 @@ class Window:
     def contains(self, tokens: int) -> bool:
         return tokens >= self.first and (self.last is None or tokens <= self.last)
 
+    def overlaps(self, other: "Window") -> bool:
+        return ((other.last is None or self.first <= other.last)
+                and (self.last is None or other.first <= self.last))
+
     def describe(self) -> str:
         hi = "inf" if self.last is None else str(self.last)
         return f"T {self.first}..{hi}"
