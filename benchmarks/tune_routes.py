@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -33,9 +34,13 @@ from cake_rmsnorm.registry import LibraryKey, load_registry  # noqa: E402
 
 GRID = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 524288)
 COLUMN_TASK_MAX_T = 16384
-# Of the dw budget. The issue's rule rejects above 0.5; issue 4's accuracy goal is 0.25 everywhere,
-# and a window runs past its grid point, so the tuner keeps to 0.25.
+# Of the dw budget. The issue's rule rejects above 0.5; issue 4's accuracy goal is 0.25 everywhere.
+# A window runs from its grid point T to the next (the last one to 2 T, then beyond), and a sum's
+# rounding error grows about as sqrt(T) where dw is near zero, so a candidate must hold
+# worst * sqrt(window end / T) <= 0.25: 0.125 at T for a 4x window (the previous rule, 0.25 at T,
+# let FP32 chunk sums reach 0.36 on other inputs inside their window).
 WORST_LIMIT = 0.25
+LAST_WINDOW_SPAN = 2.0
 # Candidates within this of the fastest count as ties: the previous grid point's winner keeps the
 # window (fewer windows, det's bits change less often), else the fastest wins.
 TIE = 0.03
@@ -93,16 +98,17 @@ def winners(rows, hidden, backend, direction, limits=None):
     grid = sorted({r["T"] for r in rows if r["H"] == hidden})
     for i, tokens in enumerate(grid):
         end = grid[i + 1] - 1 if i + 1 < len(grid) else float("inf")
+        growth = math.sqrt(max(1.0, (end if end != float("inf") else LAST_WINDOW_SPAN * tokens) / tokens))
         limits = limits or {}
         # WINDOWS.md D1: det's smallest token counts run a column task on every arch, every width but 256
         d1 = backend == "det" and direction == "bwd" and tokens == 1 and hidden != 256
         pool = [r for r in rows if (not d1 or r["form"] == "column_task")
                 and r["H"] == hidden and r["T"] == tokens and r["direction"] == direction
-                and r["worst"] <= WORST_LIMIT and (backend == "fast" or r["deterministic"])
+                and r["worst"] * growth <= WORST_LIMIT and (backend == "fast" or r["deterministic"])
                 and (limits.get(r["program"]) is None or end <= limits[r["program"]])]
         if not pool:
-            raise SystemExit(f"no candidate holds {WORST_LIMIT} of the budget at H {hidden} T {tokens} "
-                             f"({backend} {direction})")
+            raise SystemExit(f"no candidate holds {WORST_LIMIT} of the budget (x{growth:.2f} for its "
+                             f"window) at H {hidden} T {tokens} ({backend} {direction})")
         pool.sort(key=lambda r: r["ms"])
         previous = out[-1][1]["program"] if out else None
         ties = [r for r in pool if r["ms"] <= pool[0]["ms"] * (1 + TIE) and r["program"] == previous]
@@ -132,7 +138,7 @@ def windows(points):
 def toml_text(rows, widths, arch, device_name, limits=None) -> str:
     lines = [f"# Routes for {arch} chosen by benchmarks/tune_routes.py on {device_name},",
              f"# {time.strftime('%Y-%m-%d')}: the fastest candidate inside {WORST_LIMIT} of the dw "
-             f"budget at each grid T ({', '.join(map(str, GRID))}); each window runs from its grid",
+             f"budget (its worst x sqrt(window end / T)) at each grid T ({', '.join(map(str, GRID))}); each window runs from its grid",
              "# point to the next. `measured` keeps the figures that chose it. Generated; reviewed, "
              "then committed.", ""]
     for hidden in widths:

@@ -127,8 +127,8 @@ def test_build_refuses_ptxas_static_smem_that_disagrees(reg):
 
 def test_gated_program_without_a_fallback_is_refused(scratch):
     data, edit = scratch
-    edit("programs.toml", 'oversized = true\nfallback = "det_pair_c64"\nmax_tokens = 65536\nabout = "det_pair_c64\'s',
-         'oversized = true\nmax_tokens = 65536\nabout = "det_pair_c64\'s')
+    edit("programs.toml", 'oversized = true\nfallback = "det_pair_c64"\nabout = "det_pair_c64\'s',
+         'oversized = true\nabout = "det_pair_c64\'s')
     with pytest.raises(RegistryError, match="det_pair_c64_staged") as err:
         build_registry(data)
     assert "no fallback" in str(err.value)
@@ -136,8 +136,8 @@ def test_gated_program_without_a_fallback_is_refused(scratch):
 
 def test_program_above_the_optin_without_flag_loads_but_does_not_build(scratch):
     data, edit = scratch
-    edit("programs.toml", 'oversized = true\nfallback = "det_pair_c64"\nmax_tokens = 65536\nabout = "det_pair_c64\'s',
-         'fallback = "det_pair_c64"\nmax_tokens = 65536\nabout = "det_pair_c64\'s')
+    edit("programs.toml", 'oversized = true\nfallback = "det_pair_c64"\nabout = "det_pair_c64\'s',
+         'fallback = "det_pair_c64"\nabout = "det_pair_c64\'s')
     reg = build_registry(data)
     with pytest.raises(BuildError, match="det_pair_c64_staged_h4096_fp32"):
         check_oversized_flags("sm_107a", reg.libraries("sm_107a"))

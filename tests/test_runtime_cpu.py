@@ -333,7 +333,7 @@ def test_op_forward_and_backward_pass_the_right_pointers(stub_op):
     node = y.grad_fn.next_functions[0][0]  # under the view back to 3-D
     assert ("_Eager" in type(node).__name__) == ops.EAGER_FAST_PATH, type(node)
     [(name, args, stream)] = [t for t in _last(ops, "fwd") if t[1].T]
-    assert name == "fwd_rows4_h256_fp32"
+    assert name == _lib("det", "fwd", 256, 300).name
     assert (args.x, args.weight, args.residual, args.T, args.eps, stream) == (
         x.data_ptr(), w.data_ptr(), None, 300, 0.5, 0x5EED)
     assert args.y == y.data_ptr()
@@ -354,7 +354,7 @@ def test_op_residual_backward_passes_dresidual(stub_op):
     w = torch.ones(256, requires_grad=True)
     y, h = ops.rms_norm(x, w, residual=r, backend="fast")
     [(name, args, _)] = [t for t in _last(ops, "fwd") if t[1].T]
-    assert name == "fwd_rows4_h256_fp32_res"
+    assert name == _lib("fast", "fwd", 256, 5, residual=True).name
     assert (args.residual, args.residual_out) == (r.data_ptr(), h.data_ptr())
     (y.float().sum() + h.float().sum()).backward()
     [(name, args, _)] = [t for t in _last(ops, "bwd") if t[1].T]
@@ -368,7 +368,7 @@ def test_op_residual_backward_passes_dresidual(stub_op):
 def test_launch_error_names_library_and_code(stub_op):
     torch, ops = stub_op
     x = torch.randn(13, 256, dtype=torch.bfloat16)
-    with pytest.raises(LaunchError, match=r"fwd_rows4_h256_fp32 failed: CUDA error 700"):
+    with pytest.raises(LaunchError, match=rf"{_lib('det', 'fwd', 256, 13).name} failed: CUDA error 700"):
         ops.rms_norm(x, torch.ones(256), backend="det")
 
 

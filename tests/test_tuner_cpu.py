@@ -30,7 +30,7 @@ def _rows(hidden):
                  ms=2.0, worst=0.1),
             # fastest everywhere, but outside half the budget at large T: must lose there
             dict(H=hidden, T=tokens, program="fast_single_b2", direction="bwd", form="single", deterministic=False,
-                 ms=0.3, worst=0.9 if tokens >= 65536 else 0.2),
+                 ms=0.3, worst=0.9 if tokens >= 65536 else 0.1),
             dict(H=hidden, T=tokens, program="fast_single_twosum_b2", direction="bwd", form="single",
                  deterministic=False, ms=0.4, worst=0.001),
         ]
@@ -76,6 +76,16 @@ def test_a_program_cannot_win_a_window_past_its_max_tokens():
     won = {t: best["program"] for t, best, _ in pts}
     assert won[16384] == "fast_single_b2"  # its window ends at 65535
     assert won[65536] != "fast_single_b2"  # its window would run to 262143
+
+
+def test_a_candidate_must_hold_the_budget_to_its_windows_end():
+    """worst * sqrt(window end / T) <= 0.25: 0.2 at a grid point whose window runs 4x further loses."""
+    rows = _rows(4096)
+    for r in rows:
+        if r["program"] == "fast_single_b2":
+            r["worst"] = 0.2 if r["T"] == 4096 else 0.1
+    won = {t: best["program"] for t, best, _ in tune_routes.winners(rows, 4096, "fast", "bwd")}
+    assert won[1024] == "fast_single_b2" and won[4096] == "fast_single_twosum_b2"
 
 
 def test_det_runs_a_column_task_at_t1_even_when_slower():

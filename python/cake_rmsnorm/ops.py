@@ -110,6 +110,9 @@ def _ready(t: Tensor) -> Tensor:
     return t
 
 
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 class _OnDevice:
     """Make `index` the current CUDA device for the call (a no-op when it already is)."""
 
@@ -120,7 +123,7 @@ class _OnDevice:
         self.prev = -1
 
     def __enter__(self) -> None:
-        cur = torch.cuda.current_device()
+        cur = _current_device()
         if cur != self.index:
             self.prev = cur
             torch.cuda.set_device(self.index)
@@ -131,8 +134,10 @@ class _OnDevice:
 
 
 def _launch_fwd(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
-                backend: str) -> Tuple[Tensor, Optional[Tensor], Tensor]:
-    checks.check_op(x, weight, residual, eps=eps, backend=backend)
+                backend: str, checked: bool = False) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+    """checked: the caller (rms_norm's eager path) has already run the public checks."""
+    if not checked:
+        checks.check_op(x, weight, residual, eps=eps, backend=backend)
     tokens, hidden = x.shape
     y = _like(x)
     h = None if residual is None else _like(x)
@@ -180,8 +185,12 @@ def _fwd_residual_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
 
 
 def _launch_bwd(dy: Tensor, dresidual_out: Optional[Tensor], x: Tensor, weight: Tensor,
-                rstd: Tensor, backend: str, residual: bool) -> Tuple[Tensor, Tensor]:
-    checks.check_op(x, weight, dy, dresidual_out, backend=backend, rstd=rstd)
+                rstd: Tensor, backend: str, residual: bool,
+                checked: bool = False) -> Tuple[Tensor, Tensor]:
+    """checked: x, weight and rstd are what the checked forward saved, and autograd gives dy (and
+    dresidual_out) the shape, dtype and device of the forward's outputs."""
+    if not checked:
+        checks.check_op(x, weight, dy, dresidual_out, backend=backend, rstd=rstd)
     tokens, hidden = x.shape
     dx = _like(x)
     dw = _like(weight)
@@ -253,7 +262,7 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, backend):  # type: ignore[override]
-        y, h, rstd = _launch_fwd(x, residual, weight, eps, backend)
+        y, h, rstd = _launch_fwd(x, residual, weight, eps, backend, checked=True)
         ctx.save_for_backward(x if h is None else h, weight, rstd)
         ctx.backend, ctx.residual = backend, h is not None
         return y if h is None else (y, h)
@@ -261,7 +270,7 @@ class _Eager(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh=None):  # type: ignore[override]
         xn, weight, rstd = ctx.saved_tensors
-        dx, dw = _launch_bwd(dy, dh, xn, weight, rstd, ctx.backend, ctx.residual)
+        dx, dw = _launch_bwd(dy, dh, xn, weight, rstd, ctx.backend, ctx.residual, checked=True)
         return dx, (dx if ctx.residual else None), dw, None, None
 
 

@@ -1,36 +1,53 @@
-/* The per-row backward shared by every backward form (pair, single, column_task).
+/* The per-row backward shared by every backward form (pair, single, column_task), and the row
+ * pipeline that feeds it.
  *
- * One row group (RowLayout L: kTPR threads) handles one row:
+ * One row group (RowLayout L, always BwdLayout<H>: the same layout in every form, so dx has the same
+ * bits in every det program) handles one row:
  *   x̂ = x·rstd, g = dy·w (FP32), c = (1/H)·Σ g·x̂ (fixed-order group_sum),
  *   dx = bf16(rstd·(g − x̂·c) + dresidual_out)
- * and hands each element's dw term (dy·x)·rstd and its TwoProduct rounding error to
- * `on_term(i, term, err)` (i = column slot of this thread,
- * 0..kCols-1: slot k*8+e is column 8*(k*kTPR + t) + e), so each form accumulates dw its own way.
+ * and hands each element's dw product p = dy·x (exact in FP32: two bf16) and the row's rstd to
+ * `on_term(i, p, rstd)` (i = column slot of this thread, 0..kCols-1: slot k*8+e is column
+ * 8*(k*kTPR + t) + e), so each form accumulates dw (p·rstd) its own way.
  * `active` = the row exists; inactive rows still take part in the group reduction (barriers).
+ *
+ * The row pipeline (pipelined_rows) walks a row group's sequence of rows with the next
+ * kStages-1 rows' dy and x already in flight: cp.async copies them into the group's ring in shared
+ * memory, where each thread copies and later reads only its own 16-byte slots (no barrier needed),
+ * so the bytes in flight cost no registers. rstd and dresidual_out come a row ahead in registers.
  */
 #ifndef CAKE_RMSNORM_BWD_ROW_CUH
 #define CAKE_RMSNORM_BWD_ROW_CUH
 
+#include "cake_rmsnorm/abi.h"
 #include "cake_rmsnorm/common.cuh"
+#include "cake_rmsnorm/row_ring.cuh"
 
 namespace cake {
 
+// dw's term of one element, p·rstd rounded once to FP32 (the FP32 forms' term).
+__device__ __forceinline__ float dw_term(float p, float rstd) { return __fmul_rn(p, rstd); }
+// Its rounding error (TwoProduct through FMA): dw_term + dw_term_err == p·rstd exactly.
+__device__ __forceinline__ float dw_term_err(float p, float rstd, float term) {
+  return __fmaf_rn(p, rstd, -term);
+}
+
+// The compensated and FP64 per-column accumulations, one definition each: every det form adds its
+// terms through these, so equal operands in equal order give equal bits across forms.
+__device__ __forceinline__ void dw_add_twosum(float& s, float& c, float p, float rstd) {
+  const float term = dw_term(p, rstd);
+  two_sum_add(s, c, term, dw_term_err(p, rstd, term));
+}
+// p·rstd is exact in FP64 (16 + 24 significant bits): the only rounding is the FP64 addition.
+__device__ __forceinline__ void dw_add_fp64(double& s, float p, float rstd) {
+  s = __fma_rn(static_cast<double>(p), static_cast<double>(rstd), s);
+}
+
 template <int H, class L, class W, bool kRes, class OnTerm>
-__device__ __forceinline__ void bwd_row(const bf16* __restrict__ dy, const bf16* __restrict__ x,
-                                        const bf16* __restrict__ dres, const W* __restrict__ w,
-                                        float rstd, bf16* __restrict__ dx, bool active, int t,
-                                        float* scratch, int warp, int warp0, OnTerm&& on_term) {
-  uint4 vdy[L::kVPT], vx[L::kVPT];
-#pragma unroll
-  for (int k = 0; k < L::kVPT; ++k) {
-    if (active && L::valid(k, t)) {
-      vdy[k] = ld_vec(dy, L::vec(k, t));
-      vx[k] = ld_vec(x, L::vec(k, t));
-    } else {
-      vdy[k] = make_uint4(0, 0, 0, 0);
-      vx[k] = make_uint4(0, 0, 0, 0);
-    }
-  }
+__device__ __forceinline__ void bwd_row_math(const uint4 (&vdy)[L::kVPT], const uint4 (&vx)[L::kVPT],
+                                             const uint4 (&vres)[L::kVPT], bool has_res,
+                                             const W* __restrict__ w, float rstd,
+                                             bf16* __restrict__ dx, bool active, int t, float* scratch,
+                                             int warp, int warp0, OnTerm&& on_term) {
   float dot = 0.f;
 #pragma unroll
   for (int k = 0; k < L::kVPT; ++k) {
@@ -44,16 +61,15 @@ __device__ __forceinline__ void bwd_row(const bf16* __restrict__ dy, const bf16*
   }
   const float c = group_sum<L::kWarps>(dot, scratch, warp, warp0) / static_cast<float>(H);
   if (!active) return;
-  const bool has_dres = kRes && dres != nullptr;
 #pragma unroll
   for (int k = 0; k < L::kVPT; ++k) {
     if (!L::valid(k, t)) continue;
     float fdy[kVec], fx[kVec], fw[kVec], fo[kVec];
     unpack8(vdy[k], fdy);
     unpack8(vx[k], fx);
-    ld_w8(w, L::vec(k, t), fw);
-    if (has_dres) {
-      unpack8(ld_vec(dres, L::vec(k, t)), fo);
+    ld_w8(w, L::vec(k, t), fw);  // again (L1): holding 8*kVPT weights across the reduction costs registers
+    if (kRes && has_res) {
+      unpack8(vres[k], fo);
     } else {
 #pragma unroll
       for (int e = 0; e < kVec; ++e) fo[e] = 0.f;
@@ -63,11 +79,73 @@ __device__ __forceinline__ void bwd_row(const bf16* __restrict__ dy, const bf16*
       const float g = fdy[e] * fw[e];
       const float xh = fx[e] * rstd;
       fo[e] = rstd * (g - xh * c) + fo[e];
-      const float term = dw_term(fdy[e], fx[e], rstd);
-      on_term(k * kVec + e, term, dw_term_err(fdy[e], fx[e], rstd, term));  // err unused: dead code
+      on_term(k * kVec + e, __fmul_rn(fdy[e], fx[e]), rstd);
     }
     st_vec(dx, L::vec(k, t), pack8(fo));
   }
+}
+
+// One row straight from global memory (the column task's row tasks).
+template <int H, class L, class W, bool kRes, class OnTerm>
+__device__ __forceinline__ void bwd_row(const bf16* __restrict__ dy, const bf16* __restrict__ x,
+                                        const bf16* __restrict__ dres, const W* __restrict__ w,
+                                        float rstd, bf16* __restrict__ dx, bool active, int t,
+                                        float* scratch, int warp, int warp0, OnTerm&& on_term) {
+  uint4 vdy[L::kVPT], vx[L::kVPT], vres[L::kVPT];
+  const bool has_res = kRes && dres != nullptr;
+#pragma unroll
+  for (int k = 0; k < L::kVPT; ++k) {
+    const bool live = active && L::valid(k, t);
+    vdy[k] = live ? ld_vec(dy, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+    vx[k] = live ? ld_vec(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+    vres[k] = live && has_res ? ld_vec(dres, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+  }
+  bwd_row_math<H, L, W, kRes>(vdy, vx, vres, has_res, w, rstd, dx, active, t, scratch, warp, warp0,
+                              on_term);
+}
+
+// The backward's pipeline shape: 3 rows of dy and x, or 2 rows of dy, x and dresidual_out for
+// residual programs: the same 12 bytes per column of shared memory either way.
+template <class L, bool kRes>
+struct BwdPipe {
+  static constexpr int kStages = kRes ? 2 : 3;
+  static constexpr int kPlanes = kRes ? 3 : 2;
+  using Pipe = RowPipe<L, kStages, kPlanes>;
+  static constexpr int kBytes = Pipe::kBytes;
+};
+
+// For j = 0..n-1 (n uniform over the block: every thread calls on_row equally often, as
+// group_sum's barriers need), on_row(j, row_of(j), vdy, vx, vres, has_res, rstd), with the next
+// rows in flight. ring: this group's BwdPipe<L, kRes>::kBytes of shared memory.
+template <int H, class L, bool kRes, class RowOf, class OnRow>
+__device__ __forceinline__ void pipelined_rows(const cake_bwd_args_t& a, uint4* ring, int t, int64_t n,
+                                               RowOf&& row_of, OnRow&& on_row) {
+  using Shape = BwdPipe<L, kRes>;
+  const typename Shape::Pipe pipe{ring};
+  const bf16* dy = static_cast<const bf16*>(a.dy);
+  const bf16* x = static_cast<const bf16*>(a.x);
+  const bf16* dres = kRes ? static_cast<const bf16*>(a.dresidual_out) : nullptr;
+  const bool has_res = kRes && dres != nullptr;
+  float rstd = n > 0 ? __ldg(a.rstd + row_of(0)) : 0.f, next_rstd = 0.f;
+  ring_rows(
+      pipe, t, n,
+      [&](int64_t j, const bf16* (&src)[Shape::kPlanes]) {
+        const int64_t off = row_of(j) * H;
+        src[0] = dy + off;
+        src[1] = x + off;
+        if constexpr (Shape::kPlanes == 3) src[2] = has_res ? dres + off : nullptr;
+      },
+      [&](int64_t j) { next_rstd = j + 1 < n ? __ldg(a.rstd + row_of(j + 1)) : 0.f; },
+      [&](int64_t j, int stage) {
+        uint4 vdy[L::kVPT], vx[L::kVPT], vres[L::kVPT];
+        pipe.read(stage, 0, t, vdy);
+        pipe.read(stage, 1, t, vx);
+        if constexpr (Shape::kPlanes == 3) {
+          if (has_res) pipe.read(stage, 2, t, vres);
+        }
+        on_row(j, row_of(j), vdy, vx, vres, has_res, rstd);
+        rstd = next_rstd;
+      });
 }
 
 }  // namespace cake

@@ -33,10 +33,16 @@ enum class Reduction : int {
 };
 
 constexpr int kWarpSize = 32;
+// det's canonical cut of the rows for dw: chunks of 64 rows, summed from zero in row order, folded
+// in chunk order over 8 contiguous segments (the pair's chunk_rows and kSplits; the column task
+// follows it), so every det form of one reduction gives the same bits.
+constexpr int kDetChunkRows = 64;
+constexpr int kDetSplits = 8;
 constexpr int kVec = 8;                 // bf16 per 16-byte vector
 constexpr int kReduceScratchBytes = 128;  // one float per warp, up to 32 warps (1024 threads)
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
 __host__ __device__ constexpr int round_up(int a, int b) { return ceil_div(a, b) * b; }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -54,6 +60,22 @@ struct RowLayout {
   __device__ __forceinline__ static bool valid(int k, int t) { return kExact || k * kTPR + t < kNV; }
   __device__ __forceinline__ static int vec(int k, int t) { return k * kTPR + t; }
 };
+
+// The backward's row layout: at most 2 vectors (32 bytes of each tensor) per thread: the rows in
+// flight live in shared memory (bwd_row.cuh's pipeline), and 2 vectors leave the registers to the
+// per-column dw sums (2 each in the compensated and FP64 forms) at 128 registers a thread. Every
+// backward form uses this one layout, so dx (whose dot product is summed in the layout's order) has
+// the same bits in every det program form.
+constexpr int kBwdVecsPerThread = 2;
+template <int H>
+using BwdLayout = RowLayout<H, round_up(ceil_div(H / kVec, kBwdVecsPerThread), kWarpSize)>;
+
+// The forward's row layout, shared by every forward form (so rstd and y have the same bits in each):
+// at most 4 vectors per thread (rows beyond the first live in the ring's shared memory, not in
+// registers).
+constexpr int kFwdVecsPerThread = 4;
+template <int H>
+using FwdLayout = RowLayout<H, round_up(ceil_div(H / kVec, kFwdVecsPerThread), kWarpSize)>;
 
 /* ---- 16-byte bf16 vectors ---- */
 __device__ __forceinline__ uint4 ld_vec(const bf16* row, int v) {
@@ -95,15 +117,6 @@ __device__ __forceinline__ void two_sum(float a, float b, float& s, float& e) {
   const float bb = s - a;
   e = (a - (s - bb)) + (b - bb);
 }
-// The dw term of one element: p = dy*x (exact for two bf16), term = fl(p * rstd); err is the
-// rounding error of that product (TwoProduct through FMA): term + err == p * rstd exactly.
-__device__ __forceinline__ float dw_term(float dy, float x, float rstd) {
-  return __fmul_rn(__fmul_rn(dy, x), rstd);
-}
-__device__ __forceinline__ float dw_term_err(float dy, float x, float rstd, float term) {
-  return __fmaf_rn(__fmul_rn(dy, x), rstd, -term);
-}
-
 // TwoSum accumulation of one dw term: (s, c) += term, err (err: the term's TwoProduct error).
 __device__ __forceinline__ void two_sum_add(float& s, float& c, float term, float err) {
   float ns, e;
@@ -141,6 +154,17 @@ __device__ __forceinline__ float group_sum(float v, float* scratch, int warp, in
 __device__ __forceinline__ unsigned char* dyn_smem() {
   extern __shared__ __align__(16) unsigned char cake_dyn_smem[];
   return cake_dyn_smem;
+}
+
+/* ---- asynchronous copies global -> shared (sm_80+) ---- */
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 /* ---- host helpers ---- */

@@ -3,12 +3,15 @@
  *
  * One launch of tasks of two roles (grid-stride over tasks when grid_cap is smaller):
  *  - column tasks 0 .. ceil(H/kColsPerBlock)-1: task c owns dw columns [c*kColsPerBlock, ...).
- *    Warp s (< kRowSplits) walks the contiguous row segment s (rows [s*seg, (s+1)*seg),
- *    seg = ceil(T / kRowSplits)) in row order; lane l holds kColsPerBlock/32 adjacent columns and
- *    keeps, per column, a TwoSum pair (twosum: FP32 sum + FP32 compensation, which also takes the
- *    TwoProduct error of (dy·x)·rstd) or an FP64 sum (fp64_fold). Warp 0 then combines the
- *    kRowSplits sums in split order (TwoSum, or FP64) and writes dw (one rounding to the weight
- *    dtype).
+ *    The rows are cut as the det pair cuts them: chunks of kDetChunkRows rows, and kRowSplits
+ *    contiguous segments of chunks (chunk_segment). Warp s walks segment s chunk by chunk in row
+ *    order; lane l holds kColsPerBlock/32 adjacent columns and sums each chunk from zero exactly as
+ *    the pair's main kernel does — a TwoSum pair (twosum: dw_add_twosum) or an FP64 sum of exact
+ *    products (fp64_fold: dw_add_fp64) — then folds the chunk into its segment sum as the pair's
+ *    reduce does. Warp 0 combines the kRowSplits sums in split order (TwoSum, or FP64) and writes
+ *    dw (one rounding to the weight dtype). With row_splits = 8 (the pair's kSplits) these are the
+ *    pair's operations in the pair's order: dw has BwdPair<..., 64>'s bits, and dx too (the same
+ *    bwd_row code and BwdLayout).
  *  - row tasks: kGroups row groups per block compute dx for one row each (bwd_row, shared with the
  *    other backward forms; the dw terms are ignored there).
  * Every order is fixed by T and compile-time constants: bitwise reproducible, independent of SM
@@ -20,6 +23,7 @@
 #include "cake_rmsnorm/abi.h"
 #include "cake_rmsnorm/bwd_row.cuh"
 #include "cake_rmsnorm/common.cuh"
+#include "cake_rmsnorm/programs/bwd_pair.cuh"  // chunk_segment: the pair's cut of the chunks
 
 namespace cake {
 
@@ -35,11 +39,13 @@ struct BwdColumnTask {
   static constexpr int kCPL = kColsPerBlock / kWarpSize;  // columns per lane
   static_assert(kColsPerBlock % kWarpSize == 0 && (kCPL == 1 || kCPL == 2 || kCPL == 4 || kCPL == 8),
                 "cols_per_block must be 32, 64, 128 or 256");
-  static_assert(kRowSplits >= 1 && kRowSplits <= 32, "row_splits must be 1..32");
-  using L = RowLayout<H, 512>;
+  static_assert(kRowSplits == kDetSplits, "row_splits must be det's kDetSplits (8): the pair's cut");
+  using L = BwdLayout<H>;
+  static constexpr int kChunkRows = kDetChunkRows;  // the pair's chunks (same bits)
+  static constexpr int kBatch = L::kTPR > 256 ? 8 : 16;  // rows loaded ahead in a column walk (registers)
   static constexpr int kThreads = cmax(kRowSplits * kWarpSize, L::kTPR);
   static_assert(kThreads <= 1024, "block too large");
-  static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * 128));  // <= 128 registers
+  static constexpr int kMinBlocks = 1;  // small T: few blocks; registers go to the rows loaded ahead
   static constexpr int kGroups = kThreads / L::kTPR;  // row groups of a row task
   static constexpr int kColTasks = ceil_div(H, kColsPerBlock);
   static constexpr int kColSmem = kRowSplits * kColsPerBlock * 8;  // a TwoSum float pair or a double
@@ -74,31 +80,59 @@ struct BwdColumnTask {
     const int cl = lane * kCPL;                       // first column of this lane in the task
     const int col = task * kColsPerBlock + cl;
     if (s < kRowSplits) {
-      float sum[kCPL], comp[kCPL];
-      double dsum[kCPL];
+      float sum[kCPL], comp[kCPL];  // twosum: this split's pair
+      double dsum[kCPL];            // fp64_fold: this split's sum
 #pragma unroll
       for (int e = 0; e < kCPL; ++e) {
         sum[e] = comp[e] = 0.f;
         dsum[e] = 0.0;
       }
       if (col < H) {
-        const int64_t seg = (a.T + kRowSplits - 1) / kRowSplits;
-        const int64_t r0 = s * seg;
-        const int64_t r1 = r0 + seg < a.T ? r0 + seg : a.T;
+        int64_t c0, c1;
+        chunk_segment<kRowSplits>(ceil_div64(a.T, kChunkRows), s, c0, c1);
         const bf16* dy = static_cast<const bf16*>(a.dy) + col;
         const bf16* x = static_cast<const bf16*>(a.x) + col;
-        for (int64_t row = r0; row < r1; ++row) {
-          const float rstd = __ldg(a.rstd + row);
-          float fdy[kCPL], fx[kCPL];
-          ld_cols<kCPL>(dy + row * H, fdy);
-          ld_cols<kCPL>(x + row * H, fx);
+        for (int64_t c = c0; c < c1; ++c) {  // the pair's chunks, in chunk order
+          const int64_t r0 = c * kChunkRows;
+          const int64_t r1 = r0 + kChunkRows < a.T ? r0 + kChunkRows : a.T;
+          float cs[kCPL], cc[kCPL];  // the chunk's sum, from zero, as the pair's main kernel has it
+          double cd[kCPL];
 #pragma unroll
           for (int e = 0; e < kCPL; ++e) {
-            const float term = dw_term(fdy[e], fx[e], rstd);
+            cs[e] = cc[e] = 0.f;
+            cd[e] = 0.0;
+          }
+          // kBatch rows' loads in flight at once, then their terms added in row order: the walk is
+          // bound by memory latency, not by the (sequential) additions.
+          for (int64_t rb = r0; rb < r1; rb += kBatch) {
+            float rstd[kBatch], fdy[kBatch][kCPL], fx[kBatch][kCPL];
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) {
+              const int64_t row = rb + i < r1 ? rb + i : r1 - 1;  // past the chunk: loaded, not added
+              rstd[i] = __ldg(a.rstd + row);
+              ld_cols<kCPL>(dy + row * H, fdy[i]);
+              ld_cols<kCPL>(x + row * H, fx[i]);
+            }
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) {
+              if (rb + i >= r1) break;
+#pragma unroll
+              for (int e = 0; e < kCPL; ++e) {
+                const float p = __fmul_rn(fdy[i][e], fx[i][e]);
+                if constexpr (kR == Reduction::kTwoSum) {
+                  dw_add_twosum(cs[e], cc[e], p, rstd[i]);
+                } else {
+                  dw_add_fp64(cd[e], p, rstd[i]);
+                }
+              }
+            }
+          }
+#pragma unroll
+          for (int e = 0; e < kCPL; ++e) {  // the pair's reduce: fold the chunk into the split
             if constexpr (kR == Reduction::kTwoSum) {
-              two_sum_add(sum[e], comp[e], term, dw_term_err(fdy[e], fx[e], rstd, term));
+              two_sum_add(sum[e], comp[e], cs[e], cc[e]);
             } else {
-              dsum[e] += static_cast<double>(term);
+              dsum[e] += cd[e];
             }
           }
         }
@@ -113,7 +147,7 @@ struct BwdColumnTask {
       }
     }
     __syncthreads();
-    if (s == 0 && col < H) {
+    if (s == 0 && col < H) {  // the pair's combine_splits: split sums in split order
 #pragma unroll
       for (int e = 0; e < kCPL; ++e) {
         double v;

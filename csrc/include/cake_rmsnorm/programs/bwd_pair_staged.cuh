@@ -2,7 +2,7 @@
  *   cake::BwdPairStaged<H, WeightT, kResidual, kReduction, kChunkRows, kStageBytes>  (fp64_fold only)
  *
  * Main kernel: BwdPair<H, WeightT, kResidual, fp64_fold, kChunkRows>'s own (the same kernel, launched through
- * BwdPair::launch_main), so dx and the FP32 chunk partials are BwdPair's bits.
+ * BwdPair::launch_main), so dx and the FP64 chunk partials are BwdPair's bits.
  * Reduce kernel: BwdPair's reduction, column for column and addition for addition: a block of 32
  * columns x kSplits warps; warp s folds, in FP64 and chunk order starting from 0.0, the contiguous
  * chunk segment s (seg = ceil(nchunks / kSplits), as BwdPair cuts it); then warp 0 adds the kSplits
@@ -12,7 +12,7 @@
  * shared memory in chunk order. Same operands, same order, same FP64 additions: dw is bit-identical to
  * BwdPair's (the program's registry fallback), whatever kStageBytes is.
  * Dynamic shared memory of the reduce = kStageBytes = [kSplits][32] doubles (split sums) + the staging
- * slices; kStageBytes is the compile-time parameter `stage_bytes`, so the same code builds under the
+ * slices (as many whole kSplits*32*8 B chunk rows as fit; any rest is unused); kStageBytes is the compile-time parameter `stage_bytes`, so the same code builds under the
  * opt-in limit (testable on an H200) and above it (oversized mode, CUDA 13.4+, sm_107a).
  */
 #ifndef CAKE_RMSNORM_PROGRAMS_BWD_PAIR_STAGED_CUH
@@ -23,9 +23,9 @@
 
 namespace cake {
 
-__device__ __forceinline__ void cp_async4(float* smem_dst, const float* gmem_src) {
+__device__ __forceinline__ void cp_async8(double* smem_dst, const double* gmem_src) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(gmem_src) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
@@ -38,37 +38,37 @@ struct BwdPairStaged : BwdPair<H, W, kRes, kR, kChunkRows> {
   using Base::kReduceThreads;
   using Base::kSplits;
   static constexpr int kSplitBytes = Base::kReduceSmem;  // [kSplits][32] doubles
-  static constexpr int kChunkRowBytes = kSplits * kWarpSize * static_cast<int>(sizeof(float));
-  static_assert(kStageBytes > kSplitBytes && (kStageBytes - kSplitBytes) % kChunkRowBytes == 0,
-                "stage_bytes must be the split sums (kSplits*32*8 B) plus a whole number of "
-                "kSplits*32*4 B staged chunk rows");
+  static constexpr int kChunkRowBytes = kSplits * kWarpSize * static_cast<int>(sizeof(double));
+  static_assert(kStageBytes >= kSplitBytes + kChunkRowBytes,
+                "stage_bytes must hold the split sums (kSplits*32*8 B) and at least one staged "
+                "chunk row (kSplits*32*8 B)");
   static constexpr int kStageChunks = (kStageBytes - kSplitBytes) / kChunkRowBytes;  // per warp
-  static constexpr int kSmemBytes = cmax(kReduceScratchBytes, kStageBytes);
+  static constexpr int kSmemBytes = cmax(Base::kMainSmem, kStageBytes);
 
   static __device__ __forceinline__ void run_reduce(const cake_bwd_args_t& a) {
     double* sm = reinterpret_cast<double*>(dyn_smem());  // [kSplits][32]
     const int lane = threadIdx.x % kWarpSize;
     const int s = threadIdx.x / kWarpSize;
-    float* stage = reinterpret_cast<float*>(dyn_smem() + kSplitBytes) +
+    double* stage = reinterpret_cast<double*>(dyn_smem() + kSplitBytes) +
                    static_cast<size_t>(s) * kStageChunks * kWarpSize;
-    const float* part = static_cast<const float*>(a.workspace);
+    const double* part = static_cast<const double*>(a.workspace);
     int64_t c0, c1;
-    Base::segment(a.T, s, c0, c1);
+    chunk_segment<kSplits>(Base::nchunks(a.T), s, c0, c1);
     constexpr int kTiles = ceil_div(H, kWarpSize);
     for (int tile = blockIdx.x; tile < kTiles; tile += gridDim.x) {
       const int col = tile * kWarpSize + lane;
       double sum = 0.0;
       if (col < H) {
-        const float* p = part + col;
+        const double* p = part + col;
         for (int64_t cb = c0; cb < c1; cb += kStageChunks) {
           const int n = static_cast<int>(c1 - cb < kStageChunks ? c1 - cb : kStageChunks);
-          for (int j = 0; j < n; ++j) cp_async4(stage + j * kWarpSize + lane, p + (cb + j) * H);
+          for (int j = 0; j < n; ++j) cp_async8(stage + j * kWarpSize + lane, p + (cb + j) * H);
           cp_async_wait_all();  // this thread's own copies: it reads only what it copied
 #pragma unroll 4
-          for (int j = 0; j < n; ++j) sum += static_cast<double>(stage[j * kWarpSize + lane]);
+          for (int j = 0; j < n; ++j) sum += stage[j * kWarpSize + lane];
         }
       }
-      Base::combine_splits(a, sm, s, lane, col, sum);
+      combine_splits<W, kSplits>(static_cast<W*>(a.dw), H, sm, s, lane, col, sum);
     }
   }
 

@@ -1,33 +1,89 @@
-/* Forward: cake::Forward<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock>.
+/* Forward: two programs forms over one row math (forward_row), so they give the same bits.
  *
- * Mapping: a block holds kRowsPerBlock row groups (RowLayout with at most 1024/kRowsPerBlock threads
- * per row, 16-byte vectors, coalesced); group g of block b normalises row b*kRowsPerBlock + g.
- * grid = ceil(T / kRowsPerBlock).
+ *   cake::Forward<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock>
+ *     A block holds min(kRowsPerBlock, 1024 / threads per row) row groups; group g of block b
+ *     normalises row b*rows + g, loading its vectors straight from global memory.
+ *     grid = ceil(T / rows).
+ *   cake::ForwardRing<H, WeightT, kResidual, kReduction (fp32), kBlocksPerSm>
+ *     Persistent: a block is one row group; grid = sm_count * min(kBlocksPerSm, resident blocks),
+ *     block b takes rows b, b + grid, ... through a ring of the next rows in shared memory
+ *     (row_ring.cuh: 5 rows of x ahead, or 2 rows of x and residual), so DRAM stays busy while a
+ *     row is reduced and written.
+ *
+ * Row layout: FwdLayout<H> (at most 4 16-byte vectors per thread, coalesced) in both forms.
  * Math (FP32): h = bf16(x + r) (written to residual_out), ss = Σ h² in a fixed order (per thread
  * in index order, xor butterfly, warps in order), rstd = 1 / sqrtf(ss / H + eps) (correctly rounded:
- * built with --prec-div=true --prec-sqrt=true), y = bf16((h·rstd)·w). The order is fixed, so y and
- * rstd are bitwise reproducible and independent of the launch.
+ * built with --prec-div=true --prec-sqrt=true), y = bf16((h·rstd)·w). The order is fixed by the
+ * layout, which both forms share, so y and rstd are bitwise reproducible and independent of the
+ * launch and of the form.
  */
 #ifndef CAKE_RMSNORM_PROGRAMS_FORWARD_CUH
 #define CAKE_RMSNORM_PROGRAMS_FORWARD_CUH
 
 #include "cake_rmsnorm/abi.h"
 #include "cake_rmsnorm/common.cuh"
+#include "cake_rmsnorm/row_ring.cuh"
+#include "cake_rmsnorm/smem_mode.cuh"
 
 namespace cake {
 
 template <class P>
-__global__ void __launch_bounds__(P::kThreads, 1) forward_kernel(const cake_fwd_args_t a) {
+__global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) forward_kernel(const cake_fwd_args_t a) {
   P::run(a);
+}
+
+// One row: vx (and vr) are this thread's vectors of x (and residual). Every thread of the block
+// calls it (group_sum's barriers); `active` = the row exists.
+template <int H, class L, class W, bool kRes>
+__device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t row, bool active,
+                                            uint4 (&vh)[L::kVPT], const uint4 (&vr)[L::kVPT], int t,
+                                            float* scratch, int warp, int warp0) {
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < L::kVPT; ++k) {
+    if (!(active && L::valid(k, t))) continue;
+    float fh[kVec];
+    if constexpr (kRes) {
+      float fr[kVec];
+      unpack8(vh[k], fh);
+      unpack8(vr[k], fr);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) fh[e] = fh[e] + fr[e];
+      vh[k] = pack8(fh);  // h = bf16(x + r)
+    }
+    unpack8(vh[k], fh);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) ss += fh[e] * fh[e];
+  }
+  ss = group_sum<L::kWarps>(ss, scratch, warp, warp0);
+  if (!active) return;
+  const float rstd = 1.0f / sqrtf(ss / static_cast<float>(H) + a.eps);
+  if (t == 0) a.rstd[row] = rstd;
+  const int64_t off = row * H;
+  bf16* y = static_cast<bf16*>(a.y) + off;
+  bf16* ro = kRes ? static_cast<bf16*>(a.residual_out) + off : nullptr;
+  const W* w = static_cast<const W*>(a.weight);
+#pragma unroll
+  for (int k = 0; k < L::kVPT; ++k) {
+    if (!L::valid(k, t)) continue;
+    if constexpr (kRes) st_vec(ro, L::vec(k, t), vh[k]);
+    float fh[kVec], fw[kVec], fy[kVec];
+    unpack8(vh[k], fh);
+    ld_w8(w, L::vec(k, t), fw);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) fy[e] = (fh[e] * rstd) * fw[e];
+    st_vec(y, L::vec(k, t), pack8(fy));
+  }
 }
 
 template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock>
 struct Forward {
   static_assert(kR == Reduction::kFp32, "forward: reduction must be fp32");
   static_assert(kRowsPerBlock >= 1 && kRowsPerBlock <= 32, "rows_per_block out of range");
-  using L = RowLayout<H, cmax(32, 1024 / kRowsPerBlock / 32 * 32)>;
-  static constexpr int kThreads = kRowsPerBlock * L::kTPR;
-  static_assert(kThreads <= 1024, "block too large");
+  using L = FwdLayout<H>;
+  static constexpr int kRows = cmin(kRowsPerBlock, 1024 / L::kTPR);  // row groups per block
+  static constexpr int kThreads = kRows * L::kTPR;
+  static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * 64));  // <= 64 registers
   static constexpr int kHidden = H;
   static constexpr bool kResidual = kRes;
   using WeightT = W;
@@ -37,58 +93,80 @@ struct Forward {
     float* scratch = reinterpret_cast<float*>(dyn_smem());
     const int g = threadIdx.x / L::kTPR;
     const int t = threadIdx.x % L::kTPR;
-    const int warp = threadIdx.x / kWarpSize;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + g;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + g;
     const bool active = row < a.T;
-    const int64_t off = row * H;
+    const int64_t off = active ? row * H : 0;
     const bf16* x = static_cast<const bf16*>(a.x) + off;
     const bf16* r = kRes ? static_cast<const bf16*>(a.residual) + off : nullptr;
-    const W* w = static_cast<const W*>(a.weight);
-
-    uint4 vh[L::kVPT];
-    float ss = 0.f;
+    uint4 vh[L::kVPT], vr[L::kVPT];
 #pragma unroll
     for (int k = 0; k < L::kVPT; ++k) {
-      vh[k] = make_uint4(0, 0, 0, 0);
-      if (!(active && L::valid(k, t))) continue;
-      vh[k] = ld_vec(x, L::vec(k, t));
-      float fh[kVec];
-      if constexpr (kRes) {
-        float fr[kVec];
-        unpack8(vh[k], fh);
-        unpack8(ld_vec(r, L::vec(k, t)), fr);
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) fh[e] = fh[e] + fr[e];
-        vh[k] = pack8(fh);  // h = bf16(x + r)
-      }
-      unpack8(vh[k], fh);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) ss += fh[e] * fh[e];
+      const bool live = active && L::valid(k, t);
+      vh[k] = live ? ld_vec(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+      vr[k] = kRes && live ? ld_vec(r, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
     }
-    ss = group_sum<L::kWarps>(ss, scratch, warp, g * L::kWarps);
-    if (!active) return;
-    const float rstd = 1.0f / sqrtf(ss / static_cast<float>(H) + a.eps);
-    if (t == 0) a.rstd[row] = rstd;
-    bf16* y = static_cast<bf16*>(a.y) + off;
-    bf16* ro = kRes ? static_cast<bf16*>(a.residual_out) + off : nullptr;
-#pragma unroll
-    for (int k = 0; k < L::kVPT; ++k) {
-      if (!L::valid(k, t)) continue;
-      if constexpr (kRes) st_vec(ro, L::vec(k, t), vh[k]);
-      float fh[kVec], fw[kVec], fy[kVec];
-      unpack8(vh[k], fh);
-      ld_w8(w, L::vec(k, t), fw);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) fy[e] = (fh[e] * rstd) * fw[e];
-      st_vec(y, L::vec(k, t), pack8(fy));
-    }
+    forward_row<H, L, W, kRes>(a, row, active, vh, vr, t, scratch, threadIdx.x / kWarpSize, g * L::kWarps);
   }
 
   static cudaError_t launch(const cake_fwd_args_t& a, cudaStream_t s) {
     if (a.T <= 0) return cudaSuccess;
-    const int64_t blocks = (a.T + kRowsPerBlock - 1) / kRowsPerBlock;
+    const int64_t blocks = (a.T + kRows - 1) / kRows;
     if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
     forward_kernel<Forward><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, s>>>(a);
+    return cudaSuccess;
+  }
+};
+
+template <int H, class W, bool kRes, Reduction kR, int kBlocksPerSm>
+struct ForwardRing {
+  static_assert(kR == Reduction::kFp32, "forward: reduction must be fp32");
+  static_assert(kBlocksPerSm >= 1, "blocks_per_sm must be positive");
+  using L = FwdLayout<H>;
+  // 12 bytes of ring per column either way: 6 rows of x, or 3 rows of x and residual.
+  static constexpr int kStages = kRes ? 3 : 6;
+  static constexpr int kPlanes = kRes ? 2 : 1;
+  using Pipe = RowPipe<L, kStages, kPlanes>;
+  static constexpr int kThreads = L::kTPR;
+  static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * 64));  // <= 64 registers
+  static constexpr int kHidden = H;
+  static constexpr bool kResidual = kRes;
+  using WeightT = W;
+  static constexpr int kSmemBytes = kReduceScratchBytes + Pipe::kBytes;
+
+  static __device__ __forceinline__ void run(const cake_fwd_args_t& a) {
+    float* scratch = reinterpret_cast<float*>(dyn_smem());
+    const Pipe pipe{reinterpret_cast<uint4*>(dyn_smem() + kReduceScratchBytes)};
+    const int t = threadIdx.x;
+    const int64_t b = blockIdx.x, grid = gridDim.x;
+    const int64_t n = b < a.T ? (a.T - b + grid - 1) / grid : 0;
+    const bf16* x = static_cast<const bf16*>(a.x);
+    const bf16* r = kRes ? static_cast<const bf16*>(a.residual) : nullptr;
+    ring_rows(
+        pipe, t, n,
+        [&](int64_t j, const bf16* (&src)[kPlanes]) {
+          const int64_t off = (b + j * grid) * H;
+          src[0] = x + off;
+          if constexpr (kRes) src[1] = r + off;
+        },
+        [](int64_t) {},
+        [&](int64_t j, int stage) {
+          uint4 vh[L::kVPT], vr[L::kVPT];
+          pipe.read(stage, 0, t, vh);
+          if constexpr (kRes) pipe.read(stage, 1, t, vr);
+          forward_row<H, L, W, kRes>(a, b + j * grid, true, vh, vr, t, scratch, t / kWarpSize, 0);
+        });
+  }
+
+  static cudaError_t launch(const cake_fwd_args_t& a, cudaStream_t s) {
+    if (a.T <= 0) return cudaSuccess;
+    cudaError_t e = prepare_smem<ForwardRing>(forward_kernel<ForwardRing>, kSmemBytes);
+    if (e != cudaSuccess) return e;
+    int sm = 0;
+    e = sm_count(&sm);
+    if (e != cudaSuccess) return e;
+    const int resident = blocks_per_sm(forward_kernel<ForwardRing>, kThreads, kSmemBytes, 1);
+    const int64_t want = static_cast<int64_t>(sm) * (kBlocksPerSm < resident ? kBlocksPerSm : resident);
+    forward_kernel<ForwardRing><<<grid_capped(want < a.T ? want : a.T, 0), kThreads, kSmemBytes, s>>>(a);
     return cudaSuccess;
   }
 };
