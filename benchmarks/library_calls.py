@@ -39,10 +39,6 @@ def open_entry(folder: Path, entry: dict) -> abi.Library:
                             weight_dtype=entry["weight_dtype"], residual=entry["residual"])
 
 
-def bits(t):
-    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
-
-
 def inputs(hidden, tokens, wd, res, seed=0):
     """x, residual (or None), dy, dresidual (or None), weight: bf16 randn, weight 1 + 0.1 randn."""
     g = torch.Generator(device="cuda").manual_seed(seed * 7919 + hidden * 1_000_003 + tokens)

@@ -138,7 +138,8 @@ def windows(points):
 def toml_text(rows, widths, arch, device_name, limits=None) -> str:
     lines = [f"# Routes for {arch} chosen by benchmarks/tune_routes.py on {device_name},",
              f"# {time.strftime('%Y-%m-%d')}: the fastest candidate inside {WORST_LIMIT} of the dw "
-             f"budget (its worst x sqrt(window end / T)) at each grid T ({', '.join(map(str, GRID))}); each window runs from its grid",
+             f"budget (its worst x sqrt(window end / T)) at each grid T",
+             f"# ({', '.join(map(str, GRID))}); each window runs from its grid",
              "# point to the next. `measured` keeps the figures that chose it. Generated; reviewed, "
              "then committed.", ""]
     for hidden in widths:

@@ -33,10 +33,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from library_calls import (EPS, BwdCall, FwdCall, bits, fp32_rstd, inputs, load_folder,  # noqa: E402
+from library_calls import (EPS, BwdCall, FwdCall, fp32_rstd, inputs, load_folder,  # noqa: E402
                            open_entry)
 
 from cake_rmsnorm import accuracy  # noqa: E402
+from cake_rmsnorm.accuracy import bits, same_bits  # noqa: E402
 from cake_rmsnorm.errors import LaunchError  # noqa: E402
 from cake_rmsnorm.registry import load_registry  # noqa: E402
 
@@ -56,10 +57,6 @@ def run_bwd(lib, xn, dy, dh, w, rstd, sm, grid_cap=0):
     call()
     torch.cuda.synchronize()
     return call.dx, call.dw
-
-
-def same_bits(a, b) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 _optin = []

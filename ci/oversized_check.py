@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "python"))
 
 import torch  # noqa: E402
 
+from cake_rmsnorm.accuracy import same_bits  # noqa: E402
 from cake_rmsnorm.errors import LaunchError  # noqa: E402
 from cake_rmsnorm.runtime import abi, capability, loader  # noqa: E402
 
@@ -72,11 +73,6 @@ def run_bwd(lib: abi.Library, x, dy, w, rstd, sm: int):
 def reference_dw(x, dy, w, rstd):
     xhat = x.double() * rstd.double()[:, None]
     return (dy.double() * xhat).sum(0)
-
-
-def same_bits(a, b) -> bool:
-    view = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
-    return torch.equal(a.view(view), b.view(view))
 
 
 def main(argv) -> int:

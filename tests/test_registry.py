@@ -85,67 +85,52 @@ def test_bad_queries_name_the_argument(reg, args, match):
         reg.route(*args)
 
 
-def test_gap_is_an_error_naming_table_and_window(scratch):
+# Bad registry data: (case, file, text, replacement, the error it must raise). Each edit must
+# find its text (the scratch fixture asserts it), and each error names where the data is wrong.
+BAD_DATA = [
+    ("gap", "routes.toml", '{ first = 257, program = "det_pair_c64" }',
+     '{ first = 300, program = "det_pair_c64" }',
+     r"gap at window T 300\.\.inf.*expected it to start at T 257"),
+    ("overlap", "routes.toml", '{ first = 257, program = "det_pair_c64" }',
+     '{ first = 200, program = "det_pair_c64" }',
+     r"table sm_90a det bwd H=1536.*overlap at window T 200"),
+    ("missing end window", "routes.toml", '{ first = 65537, program = "fast_single_twosum_b2" }',
+     '{ first = 65537, last = 100000, program = "fast_single_twosum_b2" }', "gap after T 100000"),
+    ("unknown program", "routes.toml", 'program = "det_pair_c64" }', 'program = "det_pair_c65" }',
+     r"window T 257\.\.inf: unknown program 'det_pair_c65'"),
+    ("key given twice", "routes.toml", "H = [256]", "H = [256, 2048]", "H=2048.*already given by"),
+    ("missing table", "routes.toml", 'residual = "all"\nH = [256]', 'residual = false\nH = [256]',
+     r"gap: no table for sm_90a det bwd H=256 fp32 weight, residual"),
+    ("det runs a fast program", "routes.toml", 'program = "det_pair_c64" }',
+     'program = "fast_single_b2" }', "det may not run non-deterministic program"),
+    ("forward table names a backward program", "routes.toml", '"fwd_rows4"', '"det_pair_c64"',
+     "'det_pair_c64' is a bwd program"),
+    ("params not the kernel's", "programs.toml", "params = { chunk_rows = 64 }",
+     "params = { rows = 64 }", "program 'det_pair_c64': params"),
+    ("route past max_tokens", "routes.toml",
+     '{ first = 1, last = 65536, program = "fast_single_b2" },\n  '
+     '{ first = 65537, program = "fast_single_twosum_b2" },',
+     '{ first = 1, program = "fast_single_b2" },',
+     r"window T 1\.\.inf: program 'fast_single_b2' may run only up to T 65536 \(its max_tokens\)"),
+    ("overlapping overrides", "routes.toml", "first = 1025\nlast = 16384", "first = 100\nlast = 16384",
+     r"override #\d+ \(F3\).*sm_107a fast bwd H=2048.*overlap: window T 100\.\.16384 meets T 65\.\.127"),
+    ("override names an unknown program", "routes.toml",
+     'first = 58497\nlast = 61952\nprogram = "det_pair_c64"',
+     'first = 58497\nlast = 61952\nprogram = "det_pair_c99"', r"\(F1\).*unknown program 'det_pair_c99'"),
+    ("det override runs a fast program", "routes.toml",
+     'last = 256\nprogram = "det_column_task_f64_c64s8"', 'last = 256\nprogram = "fast_single_b2"',
+     r"\(D3\).*det may not run non-deterministic"),
+    ("reduction not the kernel's", "programs.toml", 'kernel = "single"\nreduction = "twosum"',
+     'kernel = "single"\nreduction = "blocked"',
+     r"fast_single_twosum_b2.*reduction 'blocked' is not one kernel 'single' implements"),
+]
+
+
+@pytest.mark.parametrize("case,name,old,new,match", BAD_DATA, ids=[c[0] for c in BAD_DATA])
+def test_bad_data_is_an_error_naming_where(scratch, case, name, old, new, match):
     data, edit = scratch
-    edit("routes.toml", '{ first = 257, program = "det_pair_c64" }', '{ first = 300, program = "det_pair_c64" }')
-    with pytest.raises(RegistryError, match=r"gap at window T 300\.\.inf.*expected it to start at T 257"):
-        build_registry(data)
-
-
-def test_overlap_is_an_error(scratch):
-    data, edit = scratch
-    edit("routes.toml", '{ first = 257, program = "det_pair_c64" }', '{ first = 200, program = "det_pair_c64" }')
-    with pytest.raises(RegistryError, match=r"table sm_90a det bwd H=1536.*overlap at window T 200"):
-        build_registry(data)
-
-
-def test_missing_end_window_is_a_gap(scratch):
-    data, edit = scratch
-    edit("routes.toml", '{ first = 65537, program = "fast_single_twosum_b2" }',
-         '{ first = 65537, last = 100000, program = "fast_single_twosum_b2" }')
-    with pytest.raises(RegistryError, match="gap after T 100000"):
-        build_registry(data)
-
-
-def test_unknown_program_is_an_error(scratch):
-    data, edit = scratch
-    edit("routes.toml", 'program = "det_pair_c64" }', 'program = "det_pair_c65" }')
-    with pytest.raises(RegistryError, match=r"window T 257\.\.inf: unknown program 'det_pair_c65'"):
-        build_registry(data)
-
-
-def test_key_given_twice_is_an_overlap(scratch):
-    data, edit = scratch
-    edit("routes.toml", "H = [256]", "H = [256, 2048]")
-    with pytest.raises(RegistryError, match="H=2048.*already given by"):
-        build_registry(data)
-
-
-def test_missing_table_is_a_gap(scratch):
-    data, edit = scratch
-    edit("routes.toml", 'residual = "all"\nH = [256]', 'residual = false\nH = [256]')
-    with pytest.raises(RegistryError, match=r"gap: no table for sm_90a det bwd H=256 fp32 weight, residual"):
-        build_registry(data)
-
-
-def test_det_may_not_run_a_non_deterministic_program(scratch):
-    data, edit = scratch
-    edit("routes.toml", 'program = "det_pair_c64" }', 'program = "fast_single_b2" }')
-    with pytest.raises(RegistryError, match="det may not run non-deterministic program"):
-        build_registry(data)
-
-
-def test_forward_table_may_not_name_a_backward_program(scratch):
-    data, edit = scratch
-    edit("routes.toml", '"fwd_rows4"', '"det_pair_c64"')
-    with pytest.raises(RegistryError, match="'det_pair_c64' is a bwd program"):
-        build_registry(data)
-
-
-def test_program_params_must_match_its_kernel(scratch):
-    data, edit = scratch
-    edit("programs.toml", "params = { chunk_rows = 64 }", "params = { rows = 64 }")
-    with pytest.raises(RegistryError, match="program 'det_pair_c64': params"):
+    edit(name, old, new)
+    with pytest.raises(RegistryError, match=match):
         build_registry(data)
 
 
@@ -156,48 +141,6 @@ def test_override_splices_its_window_and_keeps_the_rest(reg):
     spans = [(w.first, w.last, w.program.name, w.label) for w in windows]
     assert spans == [(1, 58496, "fast_single_b2", ""), (58497, 61952, "det_pair_c64", "F1"),
                      (61953, 65536, "fast_single_b2", ""), (65537, None, "fast_single_twosum_b2", "")]
-
-
-def test_a_route_past_a_programs_max_tokens_is_an_error(scratch):
-    data, edit = scratch
-    edit("routes.toml", '{ first = 1, last = 65536, program = "fast_single_b2" },\n  '
-                        '{ first = 65537, program = "fast_single_twosum_b2" },',
-         '{ first = 1, program = "fast_single_b2" },')
-    with pytest.raises(RegistryError, match=r"window T 1\.\.inf: program 'fast_single_b2' holds the dw "
-                                            r"budget only up to T 65536"):
-        build_registry(data)
-
-
-def test_overlapping_overrides_on_one_table_are_an_error(scratch):
-    data, edit = scratch
-    edit("routes.toml", "first = 1025\nlast = 16384", "first = 100\nlast = 16384")
-    with pytest.raises(RegistryError, match=r"override #\d+ \(F3\).*sm_107a fast bwd H=2048.*"
-                                            r"overlap: window T 100\.\.16384 meets T 65\.\.127"):
-        build_registry(data)
-
-
-def test_override_naming_an_unknown_program_is_an_error(scratch):
-    data, edit = scratch
-    edit("routes.toml", 'first = 58497\nlast = 61952\nprogram = "det_pair_c64"',
-         'first = 58497\nlast = 61952\nprogram = "det_pair_c99"')
-    with pytest.raises(RegistryError, match=r"\(F1\).*unknown program 'det_pair_c99'"):
-        build_registry(data)
-
-
-def test_det_override_may_not_run_a_non_deterministic_program(scratch):
-    data, edit = scratch
-    edit("routes.toml", 'last = 256\nprogram = "det_column_task_f64_c64s8"',
-         'last = 256\nprogram = "fast_single_b2"')
-    with pytest.raises(RegistryError, match=r"\(D3\).*det may not run non-deterministic"):
-        build_registry(data)
-
-
-def test_program_reduction_must_be_one_its_kernel_implements(scratch):
-    data, edit = scratch
-    edit("programs.toml", 'kernel = "single"\nreduction = "twosum"', 'kernel = "single"\nreduction = "blocked"')
-    with pytest.raises(RegistryError, match=r"fast_single_twosum_b2.*reduction 'blocked' is not one kernel "
-                                            r"'single' implements"):
-        build_registry(data)
 
 
 def test_readme_states_the_library_counts_plan_prints(reg):

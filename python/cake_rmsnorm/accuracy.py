@@ -25,6 +25,18 @@ DW_ATOL = DW_RTOL = 1e-4  # the weight-gradient budget
 CHUNK_ELEMENTS = 1 << 24
 
 
+def bits(t):
+    """The tensor's bits as integers (bf16 as int16, 32-bit floats as int32): for exact comparisons."""
+    import torch
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def same_bits(a, b) -> bool:
+    """Same shape, dtype and bits (NaNs compare by payload, -0.0 differs from 0.0)."""
+    import torch
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
 @dataclass(frozen=True)
 class Measure:
     """Worst error / tolerance of y, dx, dw (1.0 = at the limit), relative L2 of rstd and dw."""

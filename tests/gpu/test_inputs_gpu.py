@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 
 import cake_rmsnorm  # noqa: E402
 from cake_rmsnorm import checks, ops  # noqa: E402
+from cake_rmsnorm.accuracy import same_bits  # noqa: E402
 from cake_rmsnorm.runtime import abi  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -32,14 +33,6 @@ pytestmark = pytest.mark.gpu
 BF, F32 = torch.bfloat16, torch.float32
 T, H = 8, 256
 WIDTHS = ", ".join(map(str, checks.WIDTHS))
-
-
-def _bits(t):
-    return t.view(torch.int16) if t.dtype == BF else t.view(torch.int32)
-
-
-def _same_bits(a, b) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
 def _digest(t) -> str:
@@ -224,7 +217,7 @@ def test_fast_in_warn_only_mode_warns_and_runs_fast(launches):
         torch.use_deterministic_algorithms(det[0], warn_only=det[1])
     torch.cuda.synchronize()
     assert launches["fwd"] == 1
-    assert _same_bits(y, cake_rmsnorm.rms_norm(x, w, backend="fast"))
+    assert same_bits(y, cake_rmsnorm.rms_norm(x, w, backend="fast"))
 
 
 # ---- NaN and Inf ---------------------------------------------------------------------------------
@@ -442,7 +435,7 @@ def test_misaligned_and_strided_inputs_match_aligned(backend, layout, residual):
                      None if dhh is None else move(dhh), backend)
         for key in want:
             if backend == "det" or key != "dw":
-                assert _same_bits(got[key].contiguous(), want[key]), f"{layout} {key} differs"
+                assert same_bits(got[key].contiguous(), want[key]), f"{layout} {key} differs"
             else:  # fast's dw order may vary between runs
                 _close(got[key], want[key], f"{layout} {key}")
 
@@ -457,12 +450,12 @@ def test_x_as_its_own_residual(backend):
     y, h = cake_rmsnorm.rms_norm(same, wg, residual=same, backend=backend)
     torch.autograd.backward([y, h], [dy, dh])
     torch.cuda.synchronize()
-    assert _same_bits(h, x + x), "h != 2x"
+    assert same_bits(h, x + x), "h != 2x"
     want = _train(x, x.clone(), w, dy, dh, backend)
-    assert _same_bits(y, want["y"]) and _same_bits(h, want["h"])
-    assert _same_bits(same.grad, want["dx"] + want["dres"]), "dx of x-as-residual != dx + dres"
+    assert same_bits(y, want["y"]) and same_bits(h, want["h"])
+    assert same_bits(same.grad, want["dx"] + want["dres"]), "dx of x-as-residual != dx + dres"
     if backend == "det":
-        assert _same_bits(wg.grad, want["dw"])
+        assert same_bits(wg.grad, want["dw"])
     else:
         _close(wg.grad, want["dw"], "dw")
 

@@ -41,14 +41,6 @@ ROW_GROUPS = (
 N_RANDOM_ROWS = 512
 
 
-def _bits(t):
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
-
-
-def _same_bits(a, b) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
-
-
 def _randn_bf16(gen, rows, cols):
     out = torch.empty(rows, cols, device="cuda", dtype=torch.bfloat16)
     for s in range(0, rows, GEN_ROWS):
@@ -90,7 +82,7 @@ def test_tokens_times_hidden_above_2_31(backend, large):
         y = cake_rmsnorm.rms_norm(x, w, eps=EPS, backend=backend)
         with torch.no_grad():
             y_op, rstd = torch.ops.cake_rmsnorm.fwd(x.detach(), w.detach(), EPS, backend)
-        if not _same_bits(y.detach(), y_op):
+        if not accuracy.same_bits(y.detach(), y_op):
             fails.append("y of rms_norm and of torch.ops.cake_rmsnorm.fwd differ bitwise (so the "
                          "rstd checked here may not be the one the backward used)")
         del y_op

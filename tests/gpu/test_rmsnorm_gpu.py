@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 
 import cake_rmsnorm  # noqa: E402
 from cake_rmsnorm import accuracy, ops  # noqa: E402
+from cake_rmsnorm.accuracy import same_bits  # noqa: E402
 from cake_rmsnorm.registry import load_registry  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -24,14 +25,6 @@ WIDTHS = load_registry().widths
 TOKENS = (1, 7, 128, 4096, 65536)
 EPS = 1e-6
 WDTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _bits(t):
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
-
-
-def _same_bits(a, b) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
 def _inputs(hidden: int, tokens: int):
@@ -57,7 +50,7 @@ def _run(x, r, w, dy, dh, backend):
         r = r.detach().requires_grad_()
         y, h, rstd = torch.ops.cake_rmsnorm.fwd_residual(x, r, w, EPS, backend)
         torch.autograd.backward([y, h], [dy, dh])
-        assert _same_bits(x.grad, r.grad), "dx of x and of residual differ"
+        assert same_bits(x.grad, r.grad), "dx of x and of residual differ"
     return dict(y=y.detach(), h=None if h is None else h.detach(), rstd=rstd.detach(),
                 dx=x.grad, dw=w.grad)
 
@@ -97,13 +90,13 @@ def test_accuracy_and_det_bits(hidden, tokens):
             for backend in ("det", "fast"):
                 case = f"{backend} {wname} weight{' +residual' if residual else ''}"
                 out = _run(x, r, w, dy, dh, backend)
-                if residual and not _same_bits(out["h"], xn):
+                if residual and not same_bits(out["h"], xn):
                     fails.append(f"{case}: h != bf16(x + residual)")
                 fails += [f"{case}: {f}" for f in _check(xn, w, dy, dh, out, case)]
                 if backend == "det":
                     again = _run(x, r, w, dy, dh, backend)
                     for key in ("y", "rstd", "dx", "dw"):
-                        if not _same_bits(out[key], again[key]):
+                        if not same_bits(out[key], again[key]):
                             fails.append(f"{case}: {key} differs bitwise between two runs")
                 del out
     assert not fails, f"H={hidden} T={tokens}:\n  " + "\n  ".join(fails)
@@ -121,7 +114,7 @@ def test_det_bits_do_not_depend_on_grid_cap(hidden, tokens):
         for cap in (1, 7, half):
             ops.set_grid_cap(cap)
             capped = _run(inp["x"], None, w, inp["dy"], None, "det")
-            assert _same_bits(base["dx"], capped["dx"]) and _same_bits(base["dw"], capped["dw"]), \
+            assert same_bits(base["dx"], capped["dx"]) and same_bits(base["dw"], capped["dw"]), \
                 f"grid_cap={cap} changed det's bits"
     finally:
         ops.set_grid_cap(0)
@@ -133,12 +126,12 @@ def test_public_api_shapes_strides_and_empty():
     w = inp["w"]["fp32"]
     y2 = cake_rmsnorm.rms_norm(inp["x"], w, backend="det")
     y3 = cake_rmsnorm.rms_norm(inp["x"].view(2, 3, 4, hidden), w, backend="det")
-    assert y3.shape == (2, 3, 4, hidden) and _same_bits(y3.reshape(24, hidden), y2)
+    assert y3.shape == (2, 3, 4, hidden) and same_bits(y3.reshape(24, hidden), y2)
     strided = inp["x"].t().contiguous().t()  # same values, column-major
     assert not strided.is_contiguous()
-    assert _same_bits(cake_rmsnorm.rms_norm(strided, w, backend="det"), y2)
+    assert same_bits(cake_rmsnorm.rms_norm(strided, w, backend="det"), y2)
     y, h = cake_rmsnorm.rms_norm(inp["x"], w, residual=inp["r"])
-    assert _same_bits(h, inp["x"] + inp["r"])
+    assert same_bits(h, inp["x"] + inp["r"])
     empty = torch.zeros(0, 5, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     wg = w.detach().requires_grad_()
     out = cake_rmsnorm.rms_norm(empty, wg)
@@ -162,7 +155,7 @@ def test_eager_fast_path_matches_the_custom_ops_bitwise(residual, monkeypatch):
         torch.autograd.backward(outs, grads)
         got[fast] = [o.detach() for o in outs] + [x.grad, w.grad]
     for a, b in zip(got[True], got[False]):
-        assert _same_bits(a, b)
+        assert same_bits(a, b)
 
 
 class _Net(torch.nn.Module):
@@ -208,7 +201,7 @@ def _assert_grads_close(got, want, exact_norm: bool):
     assert got.keys() == want.keys()
     for name in want:
         if exact_norm and name == "norm.weight":
-            assert _same_bits(got[name], want[name]), f"{name}: det grad not bitwise equal"
+            assert same_bits(got[name], want[name]), f"{name}: det grad not bitwise equal"
         scale = want[name].abs().max().item()
         torch.testing.assert_close(got[name], want[name], rtol=1e-2, atol=1e-2 * scale,
                                    msg=lambda m: f"{name}: {m}")
@@ -280,7 +273,7 @@ def test_norm_alone_under_cuda_graph_is_bitwise_eager():
     x.grad = w.grad = None
     want = (step().detach(), x.grad, w.grad)
     for name, a, b in zip(("y", "dx", "dw"), got, want):
-        assert _same_bits(a, b), f"{name}: graph replay differs from eager"
+        assert same_bits(a, b), f"{name}: graph replay differs from eager"
 
 
 def test_import_creates_no_cuda_context_and_first_use_loads():
@@ -321,5 +314,5 @@ def test_det_repeats_bit_for_bit_in_both_column_task_windows(window):
             finally:
                 ops.set_grid_cap(0)
             for other in runs:
-                assert _same_bits(base["dx"], other["dx"]) and _same_bits(base["dw"], other["dw"]), \
+                assert same_bits(base["dx"], other["dx"]) and same_bits(base["dw"], other["dw"]), \
                     f"{window} T {tokens} {wname}: det bits differ"

@@ -10,10 +10,8 @@
  * 8*(k*kTPR + t) + e), so each form accumulates dw (p·rstd) its own way.
  * `active` = the row exists; inactive rows still take part in the group reduction (barriers).
  *
- * The row pipeline (pipelined_rows) walks a row group's sequence of rows with the next
- * kStages-1 rows' dy and x already in flight: cp.async copies them into the group's ring in shared
- * memory, where each thread copies and later reads only its own 16-byte slots (no barrier needed),
- * so the bytes in flight cost no registers. rstd and dresidual_out come a row ahead in registers.
+ * The row pipeline (pipelined_rows) walks a row group's sequence of rows with the next rows' dy, x
+ * (and dresidual_out) in flight in shared memory (row_ring.cuh); rstd comes a row ahead in a register.
  */
 #ifndef CAKE_RMSNORM_BWD_ROW_CUH
 #define CAKE_RMSNORM_BWD_ROW_CUH

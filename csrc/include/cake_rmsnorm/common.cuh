@@ -71,8 +71,8 @@ template <int H>
 using BwdLayout = RowLayout<H, round_up(ceil_div(H / kVec, kBwdVecsPerThread), kWarpSize)>;
 
 // The forward's row layout, shared by every forward form (so rstd and y have the same bits in each):
-// at most 4 vectors per thread (rows beyond the first live in the ring's shared memory, not in
-// registers).
+// at most 4 vectors per thread (more rows in flight come from more row groups, or from the ring
+// program's shared memory, not from registers).
 constexpr int kFwdVecsPerThread = 4;
 template <int H>
 using FwdLayout = RowLayout<H, round_up(ceil_div(H / kVec, kFwdVecsPerThread), kWarpSize)>;

@@ -206,8 +206,8 @@ def _window(raw: dict, key: TableKey, programs: Mapping[str, Program], table: st
     if last is not None and last < first:
         raise RegistryError(f"{table}, window {span}: last is below first")
     if program.max_tokens is not None and (last is None or last > program.max_tokens):
-        raise RegistryError(f"{table}, window {span}: program {pname!r} holds the dw budget only up "
-                            f"to T {program.max_tokens} (its max_tokens)")
+        raise RegistryError(f"{table}, window {span}: program {pname!r} may run only up to "
+                            f"T {program.max_tokens} (its max_tokens)")
     return Window(first, last, program, label)
 
 

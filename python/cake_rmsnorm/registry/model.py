@@ -60,7 +60,7 @@ class Program:
     about: str
     oversized: bool = False  # declared: may pass the opt-in limit (CUDA 13.4 oversized mode)
     fallback: Optional[str] = None  # program run where this one's shared memory cannot be had
-    max_tokens: Optional[int] = None  # holds the dw budget up to this T (routes may not go past)
+    max_tokens: Optional[int] = None  # the largest T a route may send it (programs.toml says why)
 
     @property
     def direction(self) -> str:

@@ -85,7 +85,6 @@ class Library:
         self.program = (info.program or b"").decode("utf-8", "replace")
         self._local = _PerThread()
         self._fwd = self._bwd = self._ws = None
-        self._ws_cache: dict = {}
         if direction == "fwd":
             self._fwd = _function(cdll, name, "cake_fwd", ctypes.c_int,
                                   [ctypes.POINTER(FwdArgs), ctypes.c_void_p])
@@ -140,13 +139,7 @@ class Library:
             raise LaunchError(_launch_message(self.name, "cake_fwd", rc))
 
     def bwd_workspace_bytes(self, tokens: int, sm_count: int) -> int:
-        key = (tokens, sm_count)
-        size = self._ws_cache.get(key)
-        if size is None:  # a pure function of its arguments: ask the library once per (T, SMs)
-            if len(self._ws_cache) >= 256:
-                self._ws_cache.clear()
-            size = self._ws_cache[key] = int(self._ws(tokens, sm_count))  # type: ignore[misc]
-        return size
+        return int(self._ws(tokens, sm_count))  # type: ignore[misc]
 
     def bwd(self, dy: int, dresidual_out: int, x: int, weight: int, rstd: int, dx: int, dw: int,
             workspace: int, workspace_bytes: int, tokens: int, grid_cap: int, stream: int) -> None:

@@ -27,9 +27,6 @@ __device__ __forceinline__ void cp_async8(double* smem_dst, const double* gmem_s
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(dst), "l"(gmem_src) : "memory");
 }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-}
 
 template <int H, class W, bool kRes, Reduction kR, int kChunkRows, int kStageBytes>
 struct BwdPairStaged : BwdPair<H, W, kRes, kR, kChunkRows> {
@@ -63,7 +60,8 @@ struct BwdPairStaged : BwdPair<H, W, kRes, kR, kChunkRows> {
         for (int64_t cb = c0; cb < c1; cb += kStageChunks) {
           const int n = static_cast<int>(c1 - cb < kStageChunks ? c1 - cb : kStageChunks);
           for (int j = 0; j < n; ++j) cp_async8(stage + j * kWarpSize + lane, p + (cb + j) * H);
-          cp_async_wait_all();  // this thread's own copies: it reads only what it copied
+          cp_async_commit();
+          cp_async_wait<0>();  // this thread's own copies: it reads only what it copied
 #pragma unroll 4
           for (int j = 0; j < n; ++j) sum += stage[j * kWarpSize + lane];
         }
