@@ -61,8 +61,8 @@ def test_explain_forward_form(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["explain", "--arch", "sm_89", "--backend", "det", "--direction", "bwd", "--H", "4096",
       "--T", "1"], "unknown arch 'sm_89'"),
-    (["explain", "--arch", "sm_90a", "--backend", "det", "--direction", "bwd", "--H", "4000",
-      "--T", "1"], "H=4000 is not a prebuilt width"),
+    (["explain", "--arch", "sm_90a", "--backend", "det", "--direction", "bwd", "--H", "4004",
+      "--T", "1"], "H=4004 is not a prebuilt width"),
     (["plan", "--arch", "sm_90a", "--width", "300"], "--width [300]"),
 ])
 def test_errors_exit_2_with_a_message(capsys, argv, message):

@@ -60,6 +60,9 @@ def test_libraries_are_derived_from_the_routes(reg):
         used |= {(w.program.fallback, k.hidden, k.weight_dtype, k.residual)
                  for k, ws in reg.tables.items() if k.arch == arch for w in ws
                  if w.program.smem_bytes(k.hidden) > reg.smem_optin_bytes}
+        # plus the generic libraries (H 0: any width that is not prebuilt; tests/test_generic_cpu.py)
+        used |= {(lib.program.name, 0, lib.weight_dtype, lib.residual)
+                 for lib in reg.generic_libraries(arch)}
         assert {(l.program.name, l.hidden, l.weight_dtype, l.residual) for l in libs} == used
         oversized = sorted(lib.name for lib in libs if lib.oversized)
         expected = (["det_pair_c64_staged_h4096_fp32", "fast_pair_c64_staged_h4096_fp32"]
@@ -69,7 +72,7 @@ def test_libraries_are_derived_from_the_routes(reg):
 
 def test_library_subset_by_width(reg):
     libs = reg.libraries("sm_90a", [256])
-    assert libs and all(lib.hidden == 256 for lib in libs)
+    assert libs and all(lib.hidden in (256, 0) for lib in libs)  # 0: the generic ones, always
     with pytest.raises(RouteError, match="1000"):
         reg.libraries("sm_90a", [1000])
 
@@ -77,7 +80,7 @@ def test_library_subset_by_width(reg):
 @pytest.mark.parametrize("args, match", [
     (("sm_80", "det", "bwd", 4096, 10), "unknown arch 'sm_80'"),
     (("sm_90a", "exact", "bwd", 4096, 10), "backend 'exact'"),
-    (("sm_90a", "det", "bwd", 1000, 10), "H=1000 is not a prebuilt width"),
+    (("sm_90a", "det", "bwd", 1004, 10), "H=1004 is not a prebuilt width"),
     (("sm_90a", "det", "bwd", 4096, 0), "T=0"),
 ])
 def test_bad_queries_name_the_argument(reg, args, match):

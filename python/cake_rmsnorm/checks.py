@@ -17,6 +17,7 @@ _REGISTRY = load_registry()
 WIDTHS: Tuple[int, ...] = _REGISTRY.widths
 BACKENDS: Tuple[str, ...] = _REGISTRY.backends
 _WIDTH_SET = frozenset(WIDTHS)
+MAX_HIDDEN: int = _REGISTRY.max_hidden  # any multiple of 8 up to this runs (the generic programs)
 WEIGHT_DTYPES: Dict[torch.dtype, str] = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 # The kernels take eps as float32: it must stay finite and > 0 after that rounding.
 _EPS_MIN = 2.0 ** -149             # the smallest positive float32 (subnormal)
@@ -46,13 +47,10 @@ def resolve_backend(backend: Optional[str]) -> str:
 
 
 def _check_hidden(hidden: int, shape) -> None:
-    if hidden % 8:
-        raise ValueError(f"x has hidden size H={hidden} (shape {tuple(shape)}); H must be a "
-                         f"multiple of 8 and one of the prebuilt widths: "
-                         f"{', '.join(map(str, WIDTHS))}")
-    if hidden not in _WIDTH_SET:
-        raise ValueError(f"x has hidden size H={hidden} (shape {tuple(shape)}), not a prebuilt "
-                         f"width; prebuilt widths: {', '.join(map(str, WIDTHS))}")
+    """A prebuilt width, or any other multiple of 8 up to MAX_HIDDEN (the generic programs)."""
+    if hidden not in _WIDTH_SET and not _REGISTRY.is_generic_width(hidden):
+        raise ValueError(f"x has hidden size H={hidden} (shape {tuple(shape)}); H must be "
+                         f"{_REGISTRY.describe_hidden()}")
 
 
 def check_eps(eps) -> None:

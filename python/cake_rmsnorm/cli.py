@@ -16,7 +16,7 @@ from typing import List, Optional, Sequence
 
 from . import __version__
 from .errors import CakeError
-from .registry import Registry, load_registry
+from .registry import GENERIC_LABEL, Registry, load_registry
 
 DEFAULT_ARCH = "sm_90a"
 
@@ -58,8 +58,10 @@ def cmd_plan(args, reg: Registry) -> int:
         print(json.dumps(plans, indent=2))
         return 0
     for plan in plans:
+        generic = sum(lib["H"] == 0 for lib in plan["libraries"])
         print(f"{plan['arch']}: {len(plan['libraries'])} libraries over widths "
-              f"{', '.join(map(str, plan['widths']))}")
+              f"{', '.join(map(str, plan['widths']))} and {generic} generic (any other H up to "
+              f"{reg.max_hidden})")
         for lib in plan["libraries"]:
             flags = " oversized" if lib["oversized"] else ""
             print(f"  {lib['name']:<44} {lib['program']:<24} smem {lib['smem_bytes']}{flags}")
@@ -88,8 +90,13 @@ def cmd_explain(args, reg: Registry) -> int:
     print(f"{route.table.describe()}, T={args.T}:")
     print(f"  runs program {program.name} ({program.form}, {program.reduction} dw sums)")
     print(f"  from library {route.library.filename}")
-    label = f" (override {window.label})" if window.label else ""
-    print(f"  because the table's window {window.describe()}{label} names it")
+    if window.label == GENERIC_LABEL:
+        print(f"  because H={args.H} is not a prebuilt width ({', '.join(map(str, reg.widths))}): "
+              f"every T of it runs the generic {args.direction} program, H given at run time (any "
+              f"multiple of 8 up to {reg.max_hidden}), for both backends")
+    else:
+        label = f" (override {window.label})" if window.label else ""
+        print(f"  because the table's window {window.describe()}{label} names it")
     print(f"  program: {program.about}")
     if fallback is not None:
         print(f"  gated: needs {route.library.smem_bytes} B of shared memory (oversized mode, CUDA "

@@ -46,7 +46,7 @@ def sha256_file(path: Path) -> str:
 class LibraryEntry:
     name: str
     program: str
-    H: int
+    H: int  # 0: a generic library (its program takes H at run time; registry GENERIC_HIDDEN)
     weight_dtype: str
     residual: bool
     smem_bytes: int

@@ -4,7 +4,8 @@
     cake_rmsnorm::fwd_residual(x, residual, weight, eps, backend) -> (y, h, rstd)
     cake_rmsnorm::bwd(dy, dresidual_out?, x, weight, rstd, backend, residual) -> (dx, dw)
 
-x is [T, H] bf16 (the wrapper flattens leading dims), weight [H] fp32 or bf16. The ops are opaque
+x is [T, H] bf16 (the wrapper flattens leading dims), weight [H] fp32 or bf16; H a prebuilt width,
+or any other multiple of 8 up to checks.MAX_HIDDEN (the generic libraries). The ops are opaque
 to torch.compile (register_fake gives their shapes) and launch through the provider's C ABI on
 torch's current stream: no host sync, every buffer from torch's allocator (CUDA-graph safe).
 Importing this module imports torch and reads the registry; it loads no library and creates no
@@ -87,8 +88,9 @@ def _library(index: int, backend: str, direction: str, hidden: int, tokens: int,
     if lib is None:
         route = _REGISTRY.route(table.info.arch.name, backend, direction, hidden, table.firsts[i],
                                 weight_dtype, residual)
-        lib = table.libs[i] = loader.load_library(table.info.arch,
-                                                     router.runnable_on(_REGISTRY, route, index))
+        loaded = loader.load_library(table.info.arch, router.runnable_on(_REGISTRY, route, index))
+        # a generic library (H not prebuilt) takes H with each call: bind this table's H
+        lib = table.libs[i] = loaded.at(hidden) if loaded.generic else loaded
     return lib, table.info.sm_count
 
 

@@ -5,6 +5,10 @@ router, the tests and the CLI. Data and queries only; it imports nothing else of
     reg = load_registry()
     reg.route("sm_90a", "det", "bwd", hidden=4096, tokens=65536, weight_dtype="fp32", residual=False)
     reg.libraries("sm_90a")
+
+Widths that are not prebuilt (a multiple of 8 up to `max_hidden`) route, at every T and for both
+backends, to the generic (runtime-H) program of their direction; one generic library per (arch,
+direction, weight dtype, residual) serves them all and is part of every arch's plan.
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ from pathlib import Path
 from typing import Dict, Iterable, Optional, Tuple
 
 from ..errors import RouteError
-from .load import (DATA_DIR, apply_overrides, check_gated, parse_archs, parse_programs, parse_routes,
-                   read_toml)
-from .model import (FORMS, REDUCTIONS, Arch, Kernel, Library, LibraryKey, Program, Route, TableKey,
-                    Window)
+from .load import (DATA_DIR, apply_overrides, check_gated, generic_programs, parse_archs,
+                   parse_programs, parse_routes, read_toml)
+from .model import (FORMS, GENERIC_HIDDEN, REDUCTIONS, Arch, Kernel, Library, LibraryKey, Program,
+                    Route, TableKey, Window)
 
 __all__ = ["Registry", "load_registry", "Arch", "Kernel", "Program", "Library", "LibraryKey",
-           "Route", "TableKey", "Window", "FORMS", "REDUCTIONS"]
+           "Route", "TableKey", "Window", "FORMS", "REDUCTIONS", "GENERIC_HIDDEN", "GENERIC_LABEL"]
+
+# The label of the one window (T 1..inf) of a generic width's table.
+GENERIC_LABEL = "generic"
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class Registry:
     smem_optin_bytes: int
     programs: Dict[str, Program]
     tables: Dict[TableKey, Tuple[Window, ...]]
+    generic: Dict[str, Program]  # direction -> the runtime-H program for widths not prebuilt
 
     # ---- archs -------------------------------------------------------------------------------
     @property
@@ -64,12 +72,40 @@ class Registry:
         picked = {self.arch(n).name for n in names}
         return tuple(a for a in self.archs if a.name in picked)
 
+    # ---- widths ------------------------------------------------------------------------------
+    @property
+    def max_hidden(self) -> int:
+        """The largest H the op takes: what every generic program takes."""
+        return min(p.max_hidden for p in self.generic.values())  # type: ignore[type-var]
+
+    def is_generic_width(self, hidden: int) -> bool:
+        """Not a prebuilt width, but a multiple of 8 from 8 to max_hidden: the generic programs
+        run it."""
+        return (hidden not in self.widths and hidden % 8 == 0
+                and 8 <= hidden <= self.max_hidden)
+
+    def accepts_hidden(self, hidden: int) -> bool:
+        return hidden in self.widths or self.is_generic_width(hidden)
+
+    def describe_hidden(self) -> str:
+        """What H may be, for error messages."""
+        return (f"a multiple of 8 from 8 to {self.max_hidden}; the prebuilt widths "
+                f"{', '.join(map(str, self.widths))} are the fast ones, any other runs the generic "
+                f"program")
+
     # ---- routes ------------------------------------------------------------------------------
     def table(self, key: TableKey) -> Tuple[Window, ...]:
+        """The key's windows; a generic width's table is one window, T 1..inf, of the generic
+        program of its direction (both backends)."""
         try:
             return self.tables[key]
         except KeyError:
-            raise RouteError(f"no route table for {key.describe()}") from None
+            pass
+        if (self.is_generic_width(key.hidden) and key.arch in self.arch_names
+                and key.backend in self.backends and key.direction in self.generic
+                and key.weight_dtype in self.weight_dtypes):
+            return (Window(1, None, self.generic[key.direction], GENERIC_LABEL),)
+        raise RouteError(f"no route table for {key.describe()}")
 
     def route(self, arch: str, backend: str, direction: str, hidden: int, tokens: int,
               weight_dtype: str = "fp32", residual: bool = False) -> Route:
@@ -80,9 +116,9 @@ class Registry:
                                       ("weight_dtype", weight_dtype, self.weight_dtypes)):
             if value not in allowed:
                 raise RouteError(f"{label} {value!r} is not one of {list(allowed)}")
-        if hidden not in self.widths:
-            raise RouteError(f"H={hidden} is not a prebuilt width; prebuilt: "
-                             f"{', '.join(map(str, self.widths))}")
+        if not self.accepts_hidden(hidden):
+            raise RouteError(f"H={hidden} is not a prebuilt width and no generic program takes it; "
+                             f"H must be {self.describe_hidden()}")
         if tokens < 1:
             raise RouteError(f"T={tokens}: routes start at T 1")
         key = TableKey(arch, backend, direction, weight_dtype, bool(residual), hidden)
@@ -93,7 +129,8 @@ class Registry:
 
     # ---- libraries ---------------------------------------------------------------------------
     def _library(self, arch: str, program: Program, key: TableKey) -> Library:
-        return Library(arch, program, LibraryKey(key.hidden, key.weight_dtype, key.residual),
+        hidden = GENERIC_HIDDEN if program.runtime_h else key.hidden
+        return Library(arch, program, LibraryKey(hidden, key.weight_dtype, key.residual),
                        self.smem_optin_bytes)
 
     def fallback(self, library: Library) -> Optional[Library]:
@@ -108,9 +145,17 @@ class Registry:
         """The libraries of `arch` above the opt-in limit (run only where the capability allows)."""
         return tuple(lib for lib in self.libraries(arch) if lib.oversized)
 
+    def generic_libraries(self, arch: str) -> Tuple[Library, ...]:
+        """One library per (direction, weight dtype, residual): the generic programs, for `arch`."""
+        return tuple(Library(arch, program, LibraryKey(GENERIC_HIDDEN, wd, res),
+                             self.smem_optin_bytes)
+                     for program in self.generic.values() for wd in self.weight_dtypes
+                     for res in (False, True))
+
     def libraries(self, arch: str, widths: Optional[Iterable[int]] = None) -> Tuple[Library, ...]:
-        """Every library `arch` needs, sorted by name: derived from its routes, plus the fallbacks
-        of its gated (oversized) libraries."""
+        """Every library `arch` needs, sorted by name: derived from its routes (of `widths`, default
+        every prebuilt width), plus the fallbacks of its gated (oversized) libraries, plus its
+        generic libraries (whatever `widths` says: they serve every width that is not prebuilt)."""
         self.arch(arch)
         wanted = set(self.widths if widths is None else widths)
         unknown = wanted - set(self.widths)
@@ -127,6 +172,8 @@ class Registry:
                 fallback = self.fallback(lib) if lib.oversized else None
                 if fallback is not None:
                     libs[fallback.name] = fallback
+        for lib in self.generic_libraries(arch):
+            libs[lib.name] = lib
         return tuple(libs[name] for name in sorted(libs))
 
 
@@ -144,7 +191,8 @@ def build_registry(data_dir: Path) -> Registry:
     check_gated(tables, programs, axes["smem_optin_bytes"], routes_file.name)
     return Registry(archs=archs, widths=axes["widths"], weight_dtypes=axes["weight_dtypes"],
                     backends=axes["backends"], directions=axes["directions"],
-                    smem_optin_bytes=axes["smem_optin_bytes"], programs=programs, tables=tables)
+                    smem_optin_bytes=axes["smem_optin_bytes"], programs=programs, tables=tables,
+                    generic=generic_programs(programs, axes["directions"], programs_file.name))
 
 
 @functools.lru_cache(maxsize=None)

@@ -67,8 +67,8 @@ def parse_programs(doc: dict, source: str) -> Dict[str, Program]:
     kernels: Dict[str, Kernel] = {}
     for name, raw in _require(doc, "kernel", source).items():
         where = f"{source} kernel {name!r}"
-        _check_unknown(raw, ("header", "template", "direction", "form", "params", "reductions"),
-                       where)
+        _check_unknown(raw, ("header", "template", "direction", "form", "params", "reductions",
+                             "runtime_h"), where)
         form = _require(raw, "form", where)
         if form not in FORMS:
             raise RegistryError(f"{where}: form {form!r} is not one of {list(FORMS)}")
@@ -81,12 +81,13 @@ def parse_programs(doc: dict, source: str) -> Dict[str, Program]:
             raise RegistryError(f"{where}: reductions {list(reductions)} must be a non-empty list "
                                 f"from {list(REDUCTIONS)}")
         kernels[name] = Kernel(name, _require(raw, "header", where), _require(raw, "template", where),
-                               direction, form, tuple(_require(raw, "params", where)), reductions)
+                               direction, form, tuple(_require(raw, "params", where)), reductions,
+                               runtime_h=bool(raw.get("runtime_h", False)))
     programs: Dict[str, Program] = {}
     for name, raw in _require(doc, "program", source).items():
         where = f"{source} program {name!r}"
         _check_unknown(raw, ("kernel", "reduction", "deterministic", "params", "smem", "about",
-                             "oversized", "fallback", "max_tokens"), where)
+                             "oversized", "fallback", "max_tokens", "max_hidden"), where)
         kname = _require(raw, "kernel", where)
         if kname not in kernels:
             raise RegistryError(f"{where}: unknown kernel {kname!r}; known: {sorted(kernels)}")
@@ -111,14 +112,57 @@ def parse_programs(doc: dict, source: str) -> Dict[str, Program]:
             params=tuple((p, params[p]) for p in kernel.params),
             smem_fixed=int(smem.get("fixed", 0)), smem_per_h=int(smem.get("per_h", 0)),
             about=raw.get("about", ""), oversized=bool(raw.get("oversized", False)),
-            fallback=raw.get("fallback"), max_tokens=raw.get("max_tokens"))
+            fallback=raw.get("fallback"), max_tokens=raw.get("max_tokens"),
+            max_hidden=raw.get("max_hidden"))
         if programs[name].max_tokens is not None and (
                 not isinstance(programs[name].max_tokens, int) or programs[name].max_tokens < 1):
             raise RegistryError(f"{where}: max_tokens {programs[name].max_tokens!r} must be a "
                                 f"positive integer")
+        check_runtime_h(programs[name], where)
     for program in programs.values():
         check_fallback(program, programs, f"{source} program {program.name!r}")
     return programs
+
+
+def check_runtime_h(program: Program, where: str) -> None:
+    """A generic (runtime-H) program declares the largest H it takes, a positive multiple of 8, and
+    nothing that depends on H or T at build time; no other program declares max_hidden."""
+    if not program.runtime_h:
+        if program.max_hidden is not None:
+            raise RegistryError(f"{where}: max_hidden is for programs whose kernel takes H at run "
+                                f"time (runtime_h = true); kernel {program.kernel.name!r} does not")
+        return
+    value = program.max_hidden
+    if not isinstance(value, int) or isinstance(value, bool) or value < 8 or value % 8:
+        raise RegistryError(f"{where}: a runtime-H program must declare max_hidden, a positive "
+                            f"multiple of 8; got {value!r}")
+    if program.smem_per_h:
+        raise RegistryError(f"{where}: a runtime-H program's shared memory cannot depend on H "
+                            f"(smem per_h must be 0)")
+    if program.oversized or program.fallback is not None or program.max_tokens is not None:
+        raise RegistryError(f"{where}: a runtime-H program runs every T of every H it serves: no "
+                            f"oversized, fallback or max_tokens")
+
+
+def generic_programs(programs: Mapping[str, Program], directions: Iterable[str],
+                     source: str) -> Dict[str, Program]:
+    """The runtime-H program of each direction: exactly one each, deterministic (det and fast both
+    run it at every width that is not prebuilt)."""
+    found: Dict[str, List[str]] = {d: [] for d in directions}
+    for program in programs.values():
+        if program.runtime_h:
+            found.setdefault(program.direction, []).append(program.name)
+    out = {}
+    for direction, names in found.items():
+        if len(names) != 1:
+            raise RegistryError(f"{source}: expected exactly one runtime-H (generic) {direction} "
+                                f"program, found {sorted(names) or 'none'}")
+        program = programs[names[0]]
+        if not program.deterministic:
+            raise RegistryError(f"{source}: generic program {program.name!r} must be deterministic "
+                                f"(det runs it)")
+        out[direction] = program
+    return out
 
 
 # Kernel parameters a fallback may differ in: how much is staged, never what is summed in which order.

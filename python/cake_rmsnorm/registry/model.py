@@ -7,6 +7,9 @@ from typing import Optional, Tuple
 
 FORMS = ("forward", "pair", "single", "column_task")
 REDUCTIONS = ("fp32", "blocked_fp32", "twosum", "fp64_fold")
+# The hidden size of a generic library: its program takes H at run time and serves every width
+# that is not prebuilt (a multiple of 8 up to its max_hidden). Its name says "hany".
+GENERIC_HIDDEN = 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class Kernel:
     form: str
     params: Tuple[str, ...]
     reductions: Tuple[str, ...]  # the dw reductions the template implements
+    runtime_h: bool = False  # H is a run-time argument (Template<WeightT, kResidual, ...>, no H)
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,16 @@ class Program:
     oversized: bool = False  # declared: may pass the opt-in limit (CUDA 13.4 oversized mode)
     fallback: Optional[str] = None  # program run where this one's shared memory cannot be had
     max_tokens: Optional[int] = None  # the largest T a route may send it (programs.toml says why)
+    max_hidden: Optional[int] = None  # runtime-H programs: the largest H they take
 
     @property
     def direction(self) -> str:
         return self.kernel.direction
+
+    @property
+    def runtime_h(self) -> bool:
+        """A generic program: one library serves every H it takes (H given at run time)."""
+        return self.kernel.runtime_h
 
     @property
     def form(self) -> str:
@@ -83,13 +93,19 @@ class LibraryKey:
     residual: bool
 
     @property
+    def generic(self) -> bool:
+        return self.hidden == GENERIC_HIDDEN
+
+    @property
     def suffix(self) -> str:
-        return f"h{self.hidden}_{self.weight_dtype}" + ("_res" if self.residual else "")
+        h = "hany" if self.generic else f"h{self.hidden}"
+        return f"{h}_{self.weight_dtype}" + ("_res" if self.residual else "")
 
 
 @dataclass(frozen=True)
 class Library:
-    """One program compiled for one (arch, H, weight dtype, residual)."""
+    """One program compiled for one (arch, H, weight dtype, residual); H = GENERIC_HIDDEN for a
+    generic (runtime-H) program's library."""
 
     arch: str
     program: Program
@@ -107,6 +123,11 @@ class Library:
     @property
     def hidden(self) -> int:
         return self.key.hidden
+
+    @property
+    def generic(self) -> bool:
+        """H is an argument of its calls (cake_fwd_h / cake_bwd_h): it serves any H it takes."""
+        return self.key.generic
 
     @property
     def weight_dtype(self) -> str:

@@ -2,6 +2,9 @@
 
 Keep the structs here field-for-field equal to the header: tests/test_runtime_cpu.py compiles a
 host-only stub against the real header and checks the layout through these classes.
+A generic library (cake_info.hidden == 0) exports the H-taking calls (cake_fwd_h, cake_bwd_h,
+cake_bwd_workspace_bytes_h) instead: Library.fwd_h / bwd_h / bwd_workspace_bytes_h call them, and
+Library.at(H) gives an object with the plain calls' signatures that passes H (what the op uses).
 No torch, no CUDA at import.
 """
 
@@ -85,7 +88,19 @@ class Library:
         self.program = (info.program or b"").decode("utf-8", "replace")
         self._local = _PerThread()
         self._fwd = self._bwd = self._ws = None
-        if direction == "fwd":
+        self.generic = info.hidden == 0  # H is an argument of its calls (abi.h)
+        self._fwd_h = self._bwd_h = self._ws_h = None
+        if self.generic:
+            self._fwd = self._bwd = self._ws = _needs_hidden(name)  # the plain calls: a clear error
+            if direction == "fwd":
+                self._fwd_h = _function(cdll, name, "cake_fwd_h", ctypes.c_int,
+                                        [ctypes.POINTER(FwdArgs), ctypes.c_int32, ctypes.c_void_p])
+            else:
+                self._ws_h = _function(cdll, name, "cake_bwd_workspace_bytes_h", ctypes.c_size_t,
+                                       [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32])
+                self._bwd_h = _function(cdll, name, "cake_bwd_h", ctypes.c_int,
+                                        [ctypes.POINTER(BwdArgs), ctypes.c_int32, ctypes.c_void_p])
+        elif direction == "fwd":
             self._fwd = _function(cdll, name, "cake_fwd", ctypes.c_int,
                                   [ctypes.POINTER(FwdArgs), ctypes.c_void_p])
         else:
@@ -154,8 +169,82 @@ class Library:
         if rc:
             raise LaunchError(_launch_message(self.name, "cake_bwd", rc, self.info.smem_bytes))
 
+    # ---- generic libraries: the same calls with H -------------------------------------------
+    def fwd_h(self, x: int, residual: int, weight: int, y: int, residual_out: int, rstd: int,
+              tokens: int, eps: float, hidden: int, stream: int) -> None:
+        args = self._local.fwd
+        if args is None:
+            args = self._local.fwd = FwdArgs()
+        args.x, args.residual, args.weight = x, residual, weight
+        args.y, args.residual_out, args.rstd = y, residual_out, rstd
+        args.T, args.eps = tokens, eps
+        rc = self._fwd_h(args, hidden, stream)  # type: ignore[misc]
+        if rc:
+            raise LaunchError(_launch_message(self.name, "cake_fwd_h", rc) + f" (H={hidden})")
+
+    def bwd_workspace_bytes_h(self, tokens: int, hidden: int, sm_count: int) -> int:
+        return int(self._ws_h(tokens, hidden, sm_count))  # type: ignore[misc]
+
+    def bwd_h(self, dy: int, dresidual_out: int, x: int, weight: int, rstd: int, dx: int, dw: int,
+              workspace: int, workspace_bytes: int, tokens: int, grid_cap: int, hidden: int,
+              stream: int) -> None:
+        args = self._local.bwd
+        if args is None:
+            args = self._local.bwd = BwdArgs()
+        args.dy, args.dresidual_out, args.x, args.weight = dy, dresidual_out, x, weight
+        args.rstd, args.dx, args.dw = rstd, dx, dw
+        args.workspace, args.workspace_bytes = workspace, workspace_bytes
+        args.T, args.grid_cap = tokens, grid_cap
+        rc = self._bwd_h(args, hidden, stream)  # type: ignore[misc]
+        if rc:
+            raise LaunchError(_launch_message(self.name, "cake_bwd_h", rc, self.info.smem_bytes)
+                              + f" (H={hidden})")
+
+    def at(self, hidden: int) -> "AtHidden":
+        """This generic library's calls at one H, with the plain calls' signatures."""
+        if not self.generic:
+            raise ValueError(f"library {self.name} is built for H={self.info.hidden}; only a "
+                             f"generic library (hidden 0) takes H")
+        return AtHidden(self, hidden)
+
     def __repr__(self) -> str:
         return f"<cake library {self.name} at {self.path}>"
+
+
+class AtHidden:
+    """A generic library at one H: fwd, bwd and bwd_workspace_bytes as a prebuilt library's."""
+
+    __slots__ = ("library", "hidden")
+
+    def __init__(self, library: Library, hidden: int) -> None:
+        self.library = library
+        self.hidden = hidden
+
+    def fwd(self, x: int, residual: int, weight: int, y: int, residual_out: int, rstd: int,
+            tokens: int, eps: float, stream: int) -> None:
+        self.library.fwd_h(x, residual, weight, y, residual_out, rstd, tokens, eps, self.hidden,
+                           stream)
+
+    def bwd_workspace_bytes(self, tokens: int, sm_count: int) -> int:
+        return self.library.bwd_workspace_bytes_h(tokens, self.hidden, sm_count)
+
+    def bwd(self, dy: int, dresidual_out: int, x: int, weight: int, rstd: int, dx: int, dw: int,
+            workspace: int, workspace_bytes: int, tokens: int, grid_cap: int, stream: int) -> None:
+        self.library.bwd_h(dy, dresidual_out, x, weight, rstd, dx, dw, workspace, workspace_bytes,
+                           tokens, grid_cap, self.hidden, stream)
+
+    def __getattr__(self, name: str):  # name, path, cdll, info, direction, program: the library's
+        return getattr(self.library, name)
+
+    def __repr__(self) -> str:
+        return f"<cake library {self.library.name} at H={self.hidden}>"
+
+
+def _needs_hidden(lib_name: str):
+    def call(*args):
+        raise ProviderError(f"library {lib_name} is generic (H is an argument of its calls): call "
+                            f"it through .at(H), or fwd_h / bwd_workspace_bytes_h / bwd_h")
+    return call
 
 
 def _function(cdll: ctypes.CDLL, lib_name: str, symbol: str, restype, argtypes):
