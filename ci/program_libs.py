@@ -33,6 +33,10 @@ def libraries(arch: str, programs, widths):
     reg = load_registry()
     for name in programs or sorted(reg.programs):
         program = reg.programs[name]
+        if program.runtime_h:  # one library per key, H a run-time argument
+            yield from (lib for lib in reg.generic_libraries(arch) if lib.program.name == name
+                        and (lib.key.weight_dtype, lib.key.residual) in KEYS)
+            continue
         for hidden in widths or reg.widths:
             for wd, res in KEYS:
                 lib = Library(arch, program, LibraryKey(hidden, wd, res), reg.smem_optin_bytes)

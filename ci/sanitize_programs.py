@@ -96,7 +96,9 @@ def main() -> int:
     reg = load_registry()
     info = device.device_info(torch.cuda.current_device())
     widths = [int(w) for w in args.widths.split(",")] if args.widths else None
-    libs = reg.libraries(info.arch.name, widths)
+    # the generic (run-time H) libraries need an H bound at call time: ci/check_programs.py's
+    # counterpart does not cover them yet, so the sanitizer runs the prebuilt ones
+    libs = [lib for lib in reg.libraries(info.arch.name, widths) if not lib.program.runtime_h]
     tokens = [int(t) for t in args.tokens.split(",")]
     failures = 0
     for lib_entry in libs:

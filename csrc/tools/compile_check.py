@@ -72,7 +72,10 @@ def sample(reg, args) -> list[Library]:
     archs = args.arch.split(",") if args.arch else list(reg.arch_names)
     libs = []
     for arch in archs:
+        libs += [lib for lib in reg.generic_libraries(arch) if lib.program in progs]
         for p in progs:
+            if p.runtime_h:
+                continue
             hs = widths if (arch == "sm_90a" or args.H or args.all) else [4096]
             for h in hs:
                 variants = [("fp32", True)]
