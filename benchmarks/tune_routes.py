@@ -154,14 +154,36 @@ def toml_text(rows, widths, arch, device_name, limits=None) -> str:
     return "\n".join(lines)
 
 
+def write_table(rows, widths, arch, device_name, out: Path) -> Path:
+    limits = {name: p.max_tokens for name, p in load_registry().programs.items()}
+    path = out / f"{arch}.toml"
+    path.write_text(toml_text(rows, widths, arch, device_name, limits))
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--libs", required=True)
+    ap.add_argument("--libs", help="library folder (ci/program_libs.py) to time, on the GPU")
     ap.add_argument("--widths", default="")
     ap.add_argument("--out", default="tuned")
     ap.add_argument("--plan", default="", help="`cake-rmsnorm plan --json` output: tune among the "
                                                "programs whose libraries it lists (a built wheel's)")
+    ap.add_argument("--from-json", default="", metavar="FILES",
+                    help="no GPU: write the route table from earlier runs' tune.json files (comma "
+                         "list, e.g. runs over different --widths of one library folder)")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        docs = [json.loads(Path(f).read_text()) for f in args.from_json.split(",") if f]
+        if not docs or len({(d["arch"], d["device"]) for d in docs}) != 1:
+            raise SystemExit("--from-json: give runs of one arch on one device")
+        rows = [r for d in docs for r in d["rows"]]
+        widths = sorted({r["H"] for r in rows})
+        print(f"wrote {write_table(rows, widths, docs[0]['arch'], docs[0]['device'], out)}")
+        return 0
+    if not args.libs:
+        raise SystemExit("--libs is required (or --from-json)")
     folder, index = load_folder(args.libs)
     reg, arch = load_registry(), index["arch"]
     sm = torch.cuda.get_device_properties(0).multi_processor_count
@@ -170,17 +192,14 @@ def main(argv=None) -> int:
     if args.plan:
         doc = json.loads(Path(args.plan).read_text())
         plan = {lib["name"] for p in doc if p["arch"] == arch for lib in p["libraries"]}
-    rows = []
+    rows, name = [], torch.cuda.get_device_name()
     for hidden in widths:
         for tokens in GRID:
             rows += measure_point(folder, index, reg, hidden, tokens, sm, plan)
+        # after every width: a run cut short still leaves what it measured (see --from-json)
+        (out / "tune.json").write_text(json.dumps({"arch": arch, "device": name, "rows": rows}, indent=1))
         print(f"H {hidden}: {sum(r['H'] == hidden for r in rows)} timings", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tune.json").write_text(json.dumps(rows, indent=1))
-    limits = {name: p.max_tokens for name, p in reg.programs.items()}
-    (out / f"{arch}.toml").write_text(toml_text(rows, widths, arch, torch.cuda.get_device_name(), limits))
-    print(f"wrote {out / (arch + '.toml')}")
+    print(f"wrote {write_table(rows, widths, arch, name, out)}")
     return 0
 
 

@@ -2,6 +2,7 @@
 half the budget wins each grid point, det takes deterministic programs only, windows coalesce, and
 the TOML it writes loads into the registry and routes as chosen."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -104,3 +105,24 @@ def test_plan_keeps_only_programs_built_for_every_dtype_and_residual():
     plan.add("det_pair_ts_c64_h4096_fp32")  # one variant only: not a candidate
     got = [e["program"] for e in tune_routes.candidates(index, 4096, "bwd", plan)]
     assert got == ["det_pair_c64"]
+
+
+def test_runs_over_different_widths_merge_into_one_table(tmp_path):
+    for name, hidden in (("a", 4096), ("b", 8192)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tune.json").write_text(json.dumps(
+            {"arch": "sm_90a", "device": "test GPU", "rows": _rows(hidden)}))
+    runs = f"{tmp_path / 'a' / 'tune.json'},{tmp_path / 'b' / 'tune.json'}"
+    assert tune_routes.main(["--from-json", runs, "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "sm_90a.toml").read_text()
+    assert "H = [4096]" in text and "H = [8192]" in text and "test GPU" in text
+
+
+def test_merging_runs_of_different_devices_is_refused(tmp_path):
+    files = []
+    for name, device in (("a", "GPU one"), ("b", "GPU two")):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"arch": "sm_90a", "device": device, "rows": _rows(4096)}))
+        files.append(str(f))
+    with pytest.raises(SystemExit, match="one arch on one device"):
+        tune_routes.main(["--from-json", ",".join(files), "--out", str(tmp_path / "out")])

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 import cake_rmsnorm  # noqa: E402
 from cake_rmsnorm import accuracy, ops  # noqa: E402
+from cake_rmsnorm.accuracy import same_bits  # noqa: E402
 from cake_rmsnorm.registry import load_registry  # noqa: E402
 from cake_rmsnorm.runtime import device, loader  # noqa: E402
 
@@ -29,14 +30,6 @@ EPS = 1e-6
 DW_WORST = 0.25  # of the dw budget
 CASES = [(h, t) for h in (264, 1000, 3000, 12288, 16384) for t in (1, 3, 1025)]
 CASES += [(1000, 70000), (3000, 70000)]
-
-
-def _bits(t):
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
-
-
-def _same_bits(a, b) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
 def _inputs(hidden: int, tokens: int):
@@ -62,7 +55,7 @@ def _run(x, r, w, dy, dh, backend):
         r = r.detach().requires_grad_()
         y, h, rstd = torch.ops.cake_rmsnorm.fwd_residual(x, r, w, EPS, backend)
         torch.autograd.backward([y, h], [dy, dh])
-        assert _same_bits(x.grad, r.grad), "dx of x and of residual differ"
+        assert same_bits(x.grad, r.grad), "dx of x and of residual differ"
     return dict(y=y.detach(), h=None if h is None else h.detach(), rstd=rstd.detach(),
                 dx=x.grad, dw=w.grad)
 
@@ -88,15 +81,18 @@ def test_generic_accuracy_and_det_bits(hidden, tokens):
             for backend in ("det", "fast"):
                 case = f"{backend} {wname} weight{' +residual' if residual else ''}"
                 out = runs[backend] = _run(x, r, w, dy, dh, backend)
-                if residual and not _same_bits(out["h"], xn):
+                if residual and not same_bits(out["h"], xn):
                     fails.append(f"{case}: h != bf16(x + residual)")
                 m = accuracy.measure(xn, w, dy, dh, out, EPS)
-                fails += [f"{case}: {f}" for f in m.failures(dw_ratio_limit=DW_WORST)]
+                # a BF16 dw is stored in bf16: its own rounding (up to 2^-8 |ref|, inside the
+                # contract, accuracy.py) takes it near 1.0 whatever the sum's accuracy
+                limit = DW_WORST if w.dtype == torch.float32 else 1.0
+                fails += [f"{case}: {f}" for f in m.failures(dw_ratio_limit=limit)]
             again = _run(x, r, w, dy, dh, "det")
             for key in ("y", "rstd", "dx", "dw"):
-                if not _same_bits(runs["det"][key], again[key]):
+                if not same_bits(runs["det"][key], again[key]):
                     fails.append(f"det {wname} res={residual}: {key} differs between two runs")
-                if not _same_bits(runs["det"][key], runs["fast"][key]):
+                if not same_bits(runs["det"][key], runs["fast"][key]):
                     fails.append(f"{wname} res={residual}: fast's {key} differs from det's (both "
                                  f"run the generic programs)")
             del runs, again
@@ -115,7 +111,7 @@ def test_generic_det_bits_do_not_depend_on_the_grid(hidden, tokens):
                     ops.set_grid_cap(cap)
                     capped = _run(inp["x"], r, w, inp["dy"], dh, "det")
                     for key in ("dx", "dw"):
-                        assert _same_bits(base[key], capped[key]), \
+                        assert same_bits(base[key], capped[key]), \
                             f"H={hidden} T={tokens} {wname}: grid_cap={cap} changed det's {key}"
             finally:
                 ops.set_grid_cap(0)
@@ -144,7 +140,7 @@ def test_generic_dw_has_det_fp64_bits_at_a_prebuilt_width(tokens, wname):
     lib.bwd(dy.data_ptr(), 0, x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
             dw.data_ptr(), workspace.data_ptr(), ws, tokens, 0, stream)
     torch.cuda.synchronize()
-    assert _same_bits(dw, want["dw"]), f"generic dw differs from {route.program.name}'s"
+    assert same_bits(dw, want["dw"]), f"generic dw differs from {route.program.name}'s"
     m = accuracy.measure(x, w, dy, None, dict(rstd=rstd, dx=dx), EPS)
     assert not m.failures(), m.failures()
 
@@ -176,4 +172,4 @@ def test_generic_eager_custom_ops_and_compile_agree(residual, monkeypatch):
     torch._dynamo.reset()
     for mode in ("custom_op", "compile"):
         for a, b in zip(got["eager"], got[mode]):
-            assert _same_bits(a, b), f"{mode} differs from eager"
+            assert same_bits(a, b), f"{mode} differs from eager"

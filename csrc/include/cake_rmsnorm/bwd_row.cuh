@@ -102,11 +102,13 @@ __device__ __forceinline__ void bwd_row(const bf16* __restrict__ dy, const bf16*
                               on_term);
 }
 
-// The backward's pipeline shape: 3 rows of dy and x, or 2 rows of dy, x and dresidual_out for
-// residual programs: the same 12 bytes per column of shared memory either way.
-template <class L, bool kRes>
+// The backward's pipeline shape: kRingRows rows of dy and x, or 2/3 as many rows of dy, x and
+// dresidual_out for residual programs: the same 4 * kRingRows bytes per column of shared memory
+// either way (12 for the default 3 rows).
+template <class L, bool kRes, int kRingRows = 3>
 struct BwdPipe {
-  static constexpr int kStages = kRes ? 2 : 3;
+  static_assert(kRingRows >= 3 && kRingRows % 3 == 0, "ring_rows must be a multiple of 3");
+  static constexpr int kStages = kRes ? 2 * kRingRows / 3 : kRingRows;
   static constexpr int kPlanes = kRes ? 3 : 2;
   using Pipe = RowPipe<L, kStages, kPlanes>;
   static constexpr int kBytes = Pipe::kBytes;
@@ -114,11 +116,11 @@ struct BwdPipe {
 
 // For j = 0..n-1 (n uniform over the block: every thread calls on_row equally often, as
 // group_sum's barriers need), on_row(j, row_of(j), vdy, vx, vres, has_res, rstd), with the next
-// rows in flight. ring: this group's BwdPipe<L, kRes>::kBytes of shared memory.
-template <int H, class L, bool kRes, class RowOf, class OnRow>
+// rows in flight. ring: this group's BwdPipe<L, kRes, kRingRows>::kBytes of shared memory.
+template <int H, class L, bool kRes, int kRingRows = 3, class RowOf, class OnRow>
 __device__ __forceinline__ void pipelined_rows(const cake_bwd_args_t& a, uint4* ring, int t, int64_t n,
                                                RowOf&& row_of, OnRow&& on_row) {
-  using Shape = BwdPipe<L, kRes>;
+  using Shape = BwdPipe<L, kRes, kRingRows>;
   const typename Shape::Pipe pipe{ring};
   const bf16* dy = static_cast<const bf16*>(a.dy);
   const bf16* x = static_cast<const bf16*>(a.x);

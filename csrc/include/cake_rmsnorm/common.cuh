@@ -98,6 +98,32 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[kVec]) {
   return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
 }
 
+/* ---- prefetches (no registers held; the line is on its way when the load comes) ---- */
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+// This thread's weight vectors of layout L: a row's first weight load comes after its reduction,
+// so without this a block of few rows (small T) waits a second DRAM round trip for them.
+// Only once per block of many rows, or where the grid is small: kernels of one row per block call
+// prefetch_weight_small_t, since at large T their prefetches (one per row) cost more than they
+// save (the H200 forward at T 65536 ran 1.5-2.3x slower with one per row).
+constexpr int64_t kPrefetchWeightMaxT = 256;
+template <class L, class W>
+__device__ __forceinline__ void prefetch_weight(const W* w, int t) {
+#pragma unroll
+  for (int k = 0; k < L::kVPT; ++k) {
+    if (L::valid(k, t)) prefetch_l1(w + kVec * L::vec(k, t));
+  }
+}
+
+template <class L, class W>
+__device__ __forceinline__ void prefetch_weight_small_t(const W* w, int t, int64_t T) {
+  if (T <= kPrefetchWeightMaxT) prefetch_weight<L>(w, t);
+}
+
 /* ---- weight [H] (fp32 or bf16) as 8 floats; dw stores ---- */
 __device__ __forceinline__ void ld_w8(const float* w, int v, float (&f)[kVec]) {
   const float4 a = __ldg(reinterpret_cast<const float4*>(w) + 2 * v);
@@ -161,13 +187,41 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src)
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
 }
+__device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+/* ---- programmatic dependent launch (sm_90+) ----
+ * A kernel launched by launch_dependent() may be scheduled while the kernel before it on the stream
+ * drains (its launch latency hidden behind that kernel's tail): it must call pdl_wait() before it
+ * reads anything that kernel wrote (pdl_wait returns once that kernel has completed and its writes
+ * are visible; with no such dependency it returns at once). The kernel before lets it be scheduled
+ * with pdl_allow_dependents(), once its blocks have no more use for their SM slots. */
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_allow_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
 /* ---- host helpers ---- */
+template <class Args>
+inline cudaError_t launch_dependent(void (*kernel)(Args), int grid, int threads, size_t smem, cudaStream_t st,
+                                    const Args& a) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, a);
+}
 inline cudaError_t sm_count(int* out) {
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);

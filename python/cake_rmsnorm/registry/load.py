@@ -165,8 +165,9 @@ def generic_programs(programs: Mapping[str, Program], directions: Iterable[str],
     return out
 
 
-# Kernel parameters a fallback may differ in: how much is staged, never what is summed in which order.
-STAGING_PARAMS = ("stage_bytes",)
+# Kernel parameters a fallback may differ in: how much is staged or kept in flight, never what is
+# summed in which order.
+STAGING_PARAMS = ("stage_bytes", "ring_rows")
 
 
 def check_fallback(program: Program, programs: Mapping[str, Program], where: str) -> None:

@@ -24,6 +24,7 @@
 #include "cake_rmsnorm/bwd_row.cuh"
 #include "cake_rmsnorm/common.cuh"
 #include "cake_rmsnorm/programs/bwd_pair.cuh"  // chunk_segment: the pair's cut of the chunks
+#include "cake_rmsnorm/smem_mode.cuh"
 
 namespace cake {
 
@@ -32,7 +33,7 @@ __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) bwd_column_task_ke
   P::run(a);
 }
 
-template <int H, class W, bool kRes, Reduction kR, int kColsPerBlock, int kRowSplits>
+template <int H, class W, bool kRes, Reduction kR, int kColsPerBlock, int kRowSplits, int kStageChunk>
 struct BwdColumnTask {
   static_assert(kR == Reduction::kTwoSum || kR == Reduction::kFp64Fold,
                 "column_task: reduction must be twosum or fp64_fold");
@@ -49,10 +50,17 @@ struct BwdColumnTask {
   static constexpr int kGroups = kThreads / L::kTPR;  // row groups of a row task
   static constexpr int kColTasks = ceil_div(H, kColsPerBlock);
   static constexpr int kColSmem = kRowSplits * kColsPerBlock * 8;  // a TwoSum float pair or a double
+  static_assert(kStageChunk == 0 || kStageChunk == 1, "stage_chunk must be 0 or 1");
+  // stage_chunk = 1: a warp copies a whole chunk of its columns (dy, x as bf16, then rstd) into its
+  // own shared-memory stage with cp.async, every row in flight at once, then sums it from there:
+  // one memory round trip per chunk instead of one per kBatch rows.
+  static constexpr int kTileRowBytes = kColsPerBlock * 2;  // one tensor's bytes of a row in a task
+  static constexpr int kWarpStage = 2 * kChunkRows * kTileRowBytes + kChunkRows * 4;
+  static constexpr int kStageSmem = kStageChunk ? kRowSplits * kWarpStage : 0;
   static constexpr int kHidden = H;
   static constexpr bool kResidual = kRes;
   using WeightT = W;
-  static constexpr int kSmemBytes = cmax(kReduceScratchBytes, kColSmem);
+  static constexpr int kSmemBytes = cmax(kReduceScratchBytes, kColSmem + kStageSmem);
 
   static size_t workspace_bytes(int64_t /*T*/, int /*sm_count*/) { return 0; }
 
@@ -69,6 +77,37 @@ struct BwdColumnTask {
     } else {
       unpack8(__ldg(reinterpret_cast<const uint4*>(p)), f);
     }
+  }
+
+  // Copy rows [r0, r1) of the task's columns [c0, c0 + kColsPerBlock) (16-byte pieces; pieces past
+  // H are not copied, their columns are never read) and their rstd into this warp's stage; returns
+  // once they have landed and the warp has synchronised.
+  static __device__ __forceinline__ void stage_chunk(const cake_bwd_args_t& a, unsigned char* stage, int64_t r0,
+                                                     int64_t r1, int c0, int lane) {
+    constexpr int kPieces = kTileRowBytes / 16;
+    bf16* sdy = reinterpret_cast<bf16*>(stage);
+    bf16* sx = sdy + kChunkRows * kColsPerBlock;
+    float* srstd = reinterpret_cast<float*>(sx + kChunkRows * kColsPerBlock);
+    const bf16* dy = static_cast<const bf16*>(a.dy) + c0;
+    const bf16* x = static_cast<const bf16*>(a.x) + c0;
+    const int n = static_cast<int>(r1 - r0);
+    for (int i = lane; i < n * kPieces; i += kWarpSize) {
+      const int row = i / kPieces, piece = i % kPieces;
+      if (c0 + piece * kVec >= H) continue;
+      const int64_t off = (r0 + row) * H + piece * kVec;
+      cp_async16(sdy + row * kColsPerBlock + piece * kVec, dy + off);
+      cp_async16(sx + row * kColsPerBlock + piece * kVec, x + off);
+    }
+    for (int i = lane; i < n; i += kWarpSize) cp_async4(srstd + i, a.rstd + r0 + i);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncwarp();
+  }
+
+  template <int N>
+  static __device__ __forceinline__ void st_cols(const bf16* p, float (&f)[N]) {  // from shared memory
+#pragma unroll
+    for (int e = 0; e < N; ++e) f[e] = __bfloat162float(p[e]);
   }
 
   static __device__ __forceinline__ void column_task(const cake_bwd_args_t& a, int task) {
@@ -92,6 +131,7 @@ struct BwdColumnTask {
         chunk_segment<kRowSplits>(ceil_div64(a.T, kChunkRows), s, c0, c1);
         const bf16* dy = static_cast<const bf16*>(a.dy) + col;
         const bf16* x = static_cast<const bf16*>(a.x) + col;
+        const int64_t seg_end = c1 * kChunkRows < a.T ? c1 * kChunkRows : a.T;  // the segment's rows
         for (int64_t c = c0; c < c1; ++c) {  // the pair's chunks, in chunk order
           const int64_t r0 = c * kChunkRows;
           const int64_t r1 = r0 + kChunkRows < a.T ? r0 + kChunkRows : a.T;
@@ -102,10 +142,41 @@ struct BwdColumnTask {
             cs[e] = cc[e] = 0.f;
             cd[e] = 0.0;
           }
+          auto add_term = [&](int e, float p, float rstd) {
+            if constexpr (kR == Reduction::kTwoSum) {
+              dw_add_twosum(cs[e], cc[e], p, rstd);
+            } else {
+              dw_add_fp64(cd[e], p, rstd);
+            }
+          };
+          if constexpr (kStageChunk) {
+            unsigned char* stage = dyn_smem() + kColSmem + s * kWarpStage;
+            stage_chunk(a, stage, r0, r1, task * kColsPerBlock, lane);
+            const bf16* sdy = reinterpret_cast<const bf16*>(stage) + cl;
+            const bf16* sx = sdy + kChunkRows * kColsPerBlock;
+            const float* srstd = reinterpret_cast<const float*>(stage + 2 * kChunkRows * kTileRowBytes);
+            for (int i = 0; i < static_cast<int>(r1 - r0); ++i) {  // row order
+              float fdy[kCPL], fx[kCPL];
+              st_cols<kCPL>(sdy + i * kColsPerBlock, fdy);
+              st_cols<kCPL>(sx + i * kColsPerBlock, fx);
+              const float rstd = srstd[i];
+#pragma unroll
+              for (int e = 0; e < kCPL; ++e) add_term(e, __fmul_rn(fdy[e], fx[e]), rstd);
+            }
+            __syncwarp();  // the stage is read before the next chunk's copies land in it
+          }
           // kBatch rows' loads in flight at once, then their terms added in row order: the walk is
           // bound by memory latency, not by the (sequential) additions.
-          for (int64_t rb = r0; rb < r1; rb += kBatch) {
+          for (int64_t rb = r0; rb < (kStageChunk ? r0 : r1); rb += kBatch) {
             float rstd[kBatch], fdy[kBatch][kCPL], fx[kBatch][kCPL];
+#pragma unroll
+            for (int i = 0; i < kBatch; ++i) {  // the next batch toward L2 while this one loads
+              const int64_t next = rb + kBatch + i;
+              if (next < seg_end) {
+                prefetch_l2(dy + next * H);
+                prefetch_l2(x + next * H);
+              }
+            }
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) {
               const int64_t row = rb + i < r1 ? rb + i : r1 - 1;  // past the chunk: loaded, not added
@@ -115,16 +186,12 @@ struct BwdColumnTask {
             }
 #pragma unroll
             for (int i = 0; i < kBatch; ++i) {
-              if (rb + i >= r1) break;
+              // A row past the chunk adds a zero term, an exact no-op (a sum started at +0 is never
+              // -0). No branch: with one, the compiler sinks each row's loads behind the previous
+              // row's additions and the walk waits one memory latency per row.
+              const bool live = rb + i < r1;
 #pragma unroll
-              for (int e = 0; e < kCPL; ++e) {
-                const float p = __fmul_rn(fdy[i][e], fx[i][e]);
-                if constexpr (kR == Reduction::kTwoSum) {
-                  dw_add_twosum(cs[e], cc[e], p, rstd[i]);
-                } else {
-                  dw_add_fp64(cd[e], p, rstd[i]);
-                }
-              }
+              for (int e = 0; e < kCPL; ++e) add_term(e, live ? __fmul_rn(fdy[i][e], fx[i][e]) : 0.f, rstd[i]);
             }
           }
 #pragma unroll
@@ -176,6 +243,7 @@ struct BwdColumnTask {
     const bool active = g < kGroups && row < a.T;  // threads past kGroups*kTPR idle (barriers only)
     const int64_t off = active ? row * H : 0;
     const bf16* dres = kRes && a.dresidual_out ? static_cast<const bf16*>(a.dresidual_out) + off : nullptr;
+    prefetch_weight_small_t<L>(static_cast<const W*>(a.weight), t, a.T);
     bwd_row<H, L, W, kRes>(static_cast<const bf16*>(a.dy) + off, static_cast<const bf16*>(a.x) + off, dres,
                            static_cast<const W*>(a.weight), active ? __ldg(a.rstd + row) : 0.f,
                            static_cast<bf16*>(a.dx) + off, active, t, scratch, warp,
@@ -195,6 +263,8 @@ struct BwdColumnTask {
 
   static cudaError_t launch(const cake_bwd_args_t& a, cudaStream_t st) {
     if (a.T <= 0) return cudaSuccess;
+    const cudaError_t e = prepare_smem<BwdColumnTask>(bwd_column_task_kernel<BwdColumnTask>, kSmemBytes);
+    if (e != cudaSuccess) return e;
     const int64_t tasks = kColTasks + (a.T + kGroups - 1) / kGroups;
     const int64_t want = tasks < 0x7fffffffLL ? tasks : 0x7fffffffLL;
     bwd_column_task_kernel<BwdColumnTask><<<grid_capped(want, a.grid_cap), kThreads, kSmemBytes, st>>>(a);

@@ -1,11 +1,11 @@
-/* det backward, pair form: cake::BwdPair<H, WeightT, kResidual, kReduction, kChunkRows>
+/* det backward, pair form: cake::BwdPair<H, WeightT, kResidual, kReduction, kChunkRows, kRingRows>
  * (reduction fp64_fold or twosum)
  *
  * Main kernel: the rows are cut into FIXED chunks of kChunkRows rows (chunk c = rows
  * [c*kChunkRows, ...)), independent of SM count and grid. One block = one row group (BwdLayout);
  * grid = min(nchunks, resident blocks, grid_cap); block b takes chunks b, b + grid, ... and walks
- * their rows as one sequence through the row pipeline (bwd_row.cuh: the next rows' dy and x in
- * flight in shared memory). For each row, in row order, it computes dx and each thread adds the
+ * their rows as one sequence through the row pipeline (bwd_row.cuh: the next kRingRows rows' dy and
+ * x in flight in shared memory; more when few chunks mean few blocks). For each row, in row order, it computes dx and each thread adds the
  * row's dw terms of its own columns into registers, so every column of a chunk is summed by one
  * thread in row order, starting from zero at the chunk's first row:
  *   fp64_fold  an FP64 sum of the exact products (dy·x)·rstd (dw_add_fp64): the chunk partial is
@@ -51,6 +51,31 @@ __host__ __device__ __forceinline__ void chunk_segment(int64_t nch, int s, int64
   c1 = c0 + seg < nch ? c0 + seg : nch;
 }
 
+// add(load(c)) for c in [c0, c1), in chunk order: the additions are one sequential chain, the loads
+// need not be. Double-buffered batches of kFoldAhead: batch k+1's loads are issued before batch k is
+// added, so however the compiler interleaves loads and additions (it does: it sinks each load next
+// to its use), an addition waits at most once per batch for memory. Indices past c1 load c1 - 1 and
+// add T{} (zero), an exact no-op (a sum started at +0 never becomes -0).
+constexpr int kFoldAhead = 16;
+template <class T, class Load, class Add>
+__device__ __forceinline__ void fold_in_order(int64_t c0, int64_t c1, Load&& load, Add&& add) {
+  if (c0 >= c1) return;
+  T cur[kFoldAhead], nxt[kFoldAhead];
+#pragma unroll
+  for (int i = 0; i < kFoldAhead; ++i) cur[i] = load(c0 + i < c1 ? c0 + i : c1 - 1);
+  for (int64_t c = c0; c < c1; c += kFoldAhead) {
+#pragma unroll
+    for (int i = 0; i < kFoldAhead; ++i) {
+      const int64_t n = c + kFoldAhead + i;
+      nxt[i] = load(n < c1 ? n : c1 - 1);
+    }
+#pragma unroll
+    for (int i = 0; i < kFoldAhead; ++i) add(c + i < c1 ? cur[i] : T{});
+#pragma unroll
+    for (int i = 0; i < kFoldAhead; ++i) cur[i] = nxt[i];
+  }
+}
+
 // Warp 0 adds the kSplits split sums of its 32 columns in split order and writes dw; block-wide
 // barriers. FP64 sums, or TwoSum pairs (sum, compensation).
 template <class W, int kSplits>
@@ -78,7 +103,7 @@ __device__ __forceinline__ void combine_splits(W* dw, int H, float2* sm, int s, 
   __syncthreads();
 }
 
-template <int H, class W, bool kRes, Reduction kR, int kChunkRows>
+template <int H, class W, bool kRes, Reduction kR, int kChunkRows, int kRingRows = 3>
 struct BwdPair {
   static_assert(kChunkRows >= 1, "chunk_rows must be positive");
   static_assert(kR == Reduction::kFp64Fold || kR == Reduction::kTwoSum,
@@ -94,7 +119,7 @@ struct BwdPair {
   static constexpr int kSplits = kDetSplits;  // reduce: chunk segments per column, combined in split order
   static constexpr int kReduceThreads = kSplits * kWarpSize;
   static constexpr int kReduceSmem = kSplits * kWarpSize * 8;  // a double or a TwoSum float pair
-  static constexpr int kMainSmem = kReduceScratchBytes + BwdPipe<L, kRes>::kBytes;
+  static constexpr int kMainSmem = kReduceScratchBytes + BwdPipe<L, kRes, kRingRows>::kBytes;
   static constexpr int kSmemBytes = cmax(kMainSmem, kReduceSmem);
   static constexpr int kBlocksPerSm = 1;  // fallback when the occupancy query fails
 
@@ -144,7 +169,8 @@ struct BwdPair {
       acc[i] = 0;
       comp[i] = 0.f;
     }
-    pipelined_rows<H, L, kRes>(
+    prefetch_weight<L>(w, t);  // small T: a block's few rows would otherwise wait for it after their loads
+    pipelined_rows<H, L, kRes, kRingRows>(
         a, ring, t, n, row_of,
         [&](int64_t, int64_t row, const uint4 (&vdy)[L::kVPT], const uint4 (&vx)[L::kVPT],
             const uint4 (&vres)[L::kVPT], bool has_res, float rstd) {
@@ -167,24 +193,11 @@ struct BwdPair {
             }
           }
         });
-  }
-
-  // add(v, c) for the chunk partials v = p[c*H], c in [c0, c1), in chunk order (4 loads in flight).
-  template <class Add>
-  static __device__ __forceinline__ void fold_chunks(const Part* p, int64_t c0, int64_t c1, Add&& add) {
-    int64_t c = c0;
-    for (; c + 4 <= c1; c += 4) {
-      const Part v0 = __ldcg(p + (c + 0) * H), v1 = __ldcg(p + (c + 1) * H);
-      const Part v2 = __ldcg(p + (c + 2) * H), v3 = __ldcg(p + (c + 3) * H);
-      add(v0, c);
-      add(v1, c + 1);
-      add(v2, c + 2);
-      add(v3, c + 3);
-    }
-    for (; c < c1; ++c) add(__ldcg(p + c * H), c);
+    pdl_allow_dependents();  // this block's partials are stored: the reduce may be scheduled
   }
 
   static __device__ __forceinline__ void run_reduce(const cake_bwd_args_t& a) {
+    pdl_wait();  // launched while the main kernel drains: its partials must have landed
     const int lane = threadIdx.x % kWarpSize;
     const int s = threadIdx.x / kWarpSize;
     const Part* part = static_cast<const Part*>(a.workspace);
@@ -199,12 +212,14 @@ struct BwdPair {
       const int64_t e1 = col < H ? c1 : c0;  // past H: an empty segment, barriers only
       if constexpr (kFp64) {
         double sum = 0.0;
-        fold_chunks(p, c0, e1, [&](double v, int64_t) { sum += v; });
+        fold_in_order<double>(c0, e1, [&](int64_t c) { return __ldg(p + c * H); }, [&](double v) { sum += v; });
         combine_splits<W, kSplits>(dw, H, reinterpret_cast<double*>(dyn_smem()), s, lane, col, sum);
       } else {
         const float* q = p + nch * H;  // the compensation plane
         float S = 0.f, C = 0.f;
-        fold_chunks(p, c0, e1, [&](float v, int64_t c) { two_sum_add(S, C, v, __ldcg(q + c * H)); });
+        fold_in_order<float2>(
+            c0, e1, [&](int64_t c) { return make_float2(__ldg(p + c * H), __ldg(q + c * H)); },
+            [&](float2 v) { two_sum_add(S, C, v.x, v.y); });
         combine_splits<W, kSplits>(dw, H, reinterpret_cast<float2*>(dyn_smem()), s, lane, col, make_float2(S, C));
       }
     }
@@ -229,8 +244,8 @@ struct BwdPair {
     if (a.T <= 0) return cudaSuccess;
     cudaError_t e = launch_main(a, st);
     if (e != cudaSuccess) return e;
-    bwd_pair_reduce<BwdPair><<<grid_capped(ceil_div(H, kWarpSize), a.grid_cap), kReduceThreads, kReduceSmem, st>>>(a);
-    return cudaSuccess;
+    return launch_dependent(bwd_pair_reduce<BwdPair>, grid_capped(ceil_div(H, kWarpSize), a.grid_cap),
+                            kReduceThreads, kReduceSmem, st, a);
   }
 };
 

@@ -1,10 +1,10 @@
 /* fast backward, single form:
- *   cake::BwdSingle<H, WeightT, kResidual, kReduction, kBlocksPerSm, kBlockRows>
+ *   cake::BwdSingle<H, WeightT, kResidual, kReduction, kBlocksPerSm, kBlockRows, kRingRows>
  *
  * One kernel; a block is one row group (BwdLayout). grid = min(sm_count * groups per SM, grid_cap, T)
  * with groups per SM = min(blocks_per_sm * max(1, 256 / threads per row), resident blocks); block
  * b takes the contiguous rows [b*per, (b+1)*per), per = ceil(T / grid), through the row pipeline
- * (bwd_row.cuh: the next rows' dy and x in flight in shared memory). For each row it computes dx
+ * (bwd_row.cuh: the next kRingRows rows' dy and x in flight in shared memory). For each row it computes dx
  * (bwd_row_math, the same code as det) and adds the dw terms of its columns into per-thread sums,
  * in the form kReduction names:
  *   fp32          one FP32 sum per column over all the thread's rows (short ranges: small T);
@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) bwd_single_kernel(
   P::run(a);
 }
 
-template <int H, class W, bool kRes, Reduction kR, int kBlocksPerSm, int kBlockRows>
+template <int H, class W, bool kRes, Reduction kR, int kBlocksPerSm, int kBlockRows, int kRingRows>
 struct BwdSingle {
   static_assert(kBlocksPerSm >= 1, "blocks_per_sm must be positive");
   static_assert(kR == Reduction::kFp32 || kR == Reduction::kBlockedFp32 || kR == Reduction::kTwoSum ||
@@ -50,7 +50,7 @@ struct BwdSingle {
   static constexpr int kHidden = H;
   static constexpr bool kResidual = kRes;
   using WeightT = W;
-  static constexpr int kSmemBytes = kReduceScratchBytes + BwdPipe<L, kRes>::kBytes;
+  static constexpr int kSmemBytes = kReduceScratchBytes + BwdPipe<L, kRes, kRingRows>::kBytes;
   static constexpr size_t kCounterOffset = align256(sizeof(double) * H);
 
   static size_t workspace_bytes(int64_t /*T*/, int /*sm_count*/) { return kCounterOffset + 256; }
@@ -79,7 +79,7 @@ struct BwdSingle {
       tot[i] = 0.0;
     }
     int in_block = 0;
-    pipelined_rows<H, L, kRes>(
+    pipelined_rows<H, L, kRes, kRingRows>(
         a, ring, t, n, [&](int64_t j) { return r0 + j; },
         [&](int64_t, int64_t row, const uint4 (&vdy)[L::kVPT], const uint4 (&vx)[L::kVPT],
             const uint4 (&vres)[L::kVPT], bool has_res, float rstd) {

@@ -98,6 +98,7 @@ struct Forward {
     const int64_t off = active ? row * H : 0;
     const bf16* x = static_cast<const bf16*>(a.x) + off;
     const bf16* r = kRes ? static_cast<const bf16*>(a.residual) + off : nullptr;
+    prefetch_weight_small_t<L>(static_cast<const W*>(a.weight), t, a.T);
     uint4 vh[L::kVPT], vr[L::kVPT];
 #pragma unroll
     for (int k = 0; k < L::kVPT; ++k) {
@@ -141,6 +142,7 @@ struct ForwardRing {
     const int64_t n = b < a.T ? (a.T - b + grid - 1) / grid : 0;
     const bf16* x = static_cast<const bf16*>(a.x);
     const bf16* r = kRes ? static_cast<const bf16*>(a.residual) : nullptr;
+    prefetch_weight<L>(static_cast<const W*>(a.weight), t);
     ring_rows(
         pipe, t, n,
         [&](int64_t j, const bf16* (&src)[kPlanes]) {

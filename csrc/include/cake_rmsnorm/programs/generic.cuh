@@ -245,16 +245,7 @@ struct GenericBwdPair : GenericRow<kThreads_, kVecsPerThread> {
       const double* p = part + (col < H ? col : 0);
       const int64_t e1 = col < H ? c1 : c0;  // past H: an empty segment, barriers only
       double sum = 0.0;
-      int64_t c = c0;
-      for (; c + 4 <= e1; c += 4) {  // 4 loads in flight, added in chunk order
-        const double v0 = __ldcg(p + (c + 0) * H), v1 = __ldcg(p + (c + 1) * H);
-        const double v2 = __ldcg(p + (c + 2) * H), v3 = __ldcg(p + (c + 3) * H);
-        sum += v0;
-        sum += v1;
-        sum += v2;
-        sum += v3;
-      }
-      for (; c < e1; ++c) sum += __ldcg(p + c * H);
+      fold_in_order<double>(c0, e1, [&](int64_t c) { return __ldg(p + c * H); }, [&](double v) { sum += v; });
       combine_splits<W, kSplits>(dw, H, reinterpret_cast<double*>(dyn_smem()), s, lane, col, sum);
     }
   }
