@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 import cake_rmsnorm  # noqa: E402
 from cake_rmsnorm import accuracy, ops  # noqa: E402
 from cake_rmsnorm.accuracy import same_bits  # noqa: E402
+import op_runs  # noqa: E402  (tests/gpu/op_runs.py)
 from cake_rmsnorm.registry import load_registry  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -28,31 +29,10 @@ WDTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _inputs(hidden: int, tokens: int):
-    gen = torch.Generator(device="cuda").manual_seed(hidden * 1_000_003 + tokens)
-
-    def randn(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
-
-    w32 = 1 + 0.1 * randn(hidden, dtype=torch.float32)
-    return dict(x=randn(tokens, hidden), r=randn(tokens, hidden), dy=randn(tokens, hidden),
-                dh=randn(tokens, hidden), w={"fp32": w32, "bf16": w32.to(torch.bfloat16)})
+    return op_runs.inputs(hidden, tokens, salt=0)
 
 
-def _run(x, r, w, dy, dh, backend):
-    """Forward (through the custom op, to see rstd) and backward (through autograd)."""
-    x = x.detach().requires_grad_()
-    w = w.detach().requires_grad_()
-    if r is None:
-        y, rstd = torch.ops.cake_rmsnorm.fwd(x, w, EPS, backend)
-        h = None
-        torch.autograd.backward([y], [dy])
-    else:
-        r = r.detach().requires_grad_()
-        y, h, rstd = torch.ops.cake_rmsnorm.fwd_residual(x, r, w, EPS, backend)
-        torch.autograd.backward([y, h], [dy, dh])
-        assert same_bits(x.grad, r.grad), "dx of x and of residual differ"
-    return dict(y=y.detach(), h=None if h is None else h.detach(), rstd=rstd.detach(),
-                dx=x.grad, dw=w.grad)
+_run = op_runs.run
 
 
 # Measured ratios of every checked case; written as JSON to $CAKE_RMSNORM_ACCURACY_LOG if set,

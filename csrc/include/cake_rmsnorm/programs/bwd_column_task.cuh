@@ -1,5 +1,5 @@
 /* det backward, column-task form (small T): cake::BwdColumnTask<H, WeightT, kResidual,
- * kReduction, kColsPerBlock, kRowSplits>  (reduction twosum or fp64_fold)
+ * kReduction, kColsPerBlock, kRowSplits, kStageChunk, kLaunches>  (reduction twosum or fp64_fold)
  *
  * One launch of tasks of two roles (grid-stride over tasks when grid_cap is smaller):
  *  - column tasks 0 .. ceil(H/kColsPerBlock)-1: task c owns dw columns [c*kColsPerBlock, ...).
@@ -14,6 +14,8 @@
  *    bwd_row code and BwdLayout).
  *  - row tasks: kGroups row groups per block compute dx for one row each (bwd_row, shared with the
  *    other backward forms; the dw terms are ignored there).
+ * With launches = 2 the two roles are two kernels that run side by side (see kLaunches below); the
+ * additions are the same.
  * Every order is fixed by T and compile-time constants: bitwise reproducible, independent of SM
  * count and grid. workspace_bytes = 0.
  */
@@ -32,8 +34,18 @@ template <class P>
 __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) bwd_column_task_kernel(const cake_bwd_args_t a) {
   P::run(a);
 }
+// launches = 2: the row tasks and the column tasks as two kernels (below).
+template <class P>
+__global__ void __launch_bounds__(P::kRowThreads) bwd_column_rows_kernel(const cake_bwd_args_t a) {
+  P::run_rows(a);
+}
+template <class P>
+__global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) bwd_column_cols_kernel(const cake_bwd_args_t a) {
+  P::run_cols(a);
+}
 
-template <int H, class W, bool kRes, Reduction kR, int kColsPerBlock, int kRowSplits, int kStageChunk>
+template <int H, class W, bool kRes, Reduction kR, int kColsPerBlock, int kRowSplits, int kStageChunk,
+          int kLaunches>
 struct BwdColumnTask {
   static_assert(kR == Reduction::kTwoSum || kR == Reduction::kFp64Fold,
                 "column_task: reduction must be twosum or fp64_fold");
@@ -48,6 +60,14 @@ struct BwdColumnTask {
   static_assert(kThreads <= 1024, "block too large");
   static constexpr int kMinBlocks = 1;  // small T: few blocks; registers go to the rows loaded ahead
   static constexpr int kGroups = kThreads / L::kTPR;  // row groups of a row task
+  // launches = 2: the row tasks run in a kernel of their own (no column-task shared memory or
+  // registers to hold their occupancy down), launched first; the column kernel is launched as its
+  // programmatic dependent (common.cuh), scheduled as soon as every row block has started, so the
+  // two run side by side. It reads nothing the row kernel writes, and waits for it (pdl_wait) only
+  // before it exits: whatever follows on the stream then finds dx complete too.
+  static_assert(kLaunches == 1 || kLaunches == 2, "launches must be 1 or 2");
+  static constexpr int kRowGroups = cmax(1, 256 / L::kTPR);
+  static constexpr int kRowThreads = kRowGroups * L::kTPR;
   static constexpr int kColTasks = ceil_div(H, kColsPerBlock);
   static constexpr int kColSmem = kRowSplits * kColsPerBlock * 8;  // a TwoSum float pair or a double
   static_assert(kStageChunk == 0 || kStageChunk == 1, "stage_chunk must be 0 or 1");
@@ -155,6 +175,9 @@ struct BwdColumnTask {
             const bf16* sdy = reinterpret_cast<const bf16*>(stage) + cl;
             const bf16* sx = sdy + kChunkRows * kColsPerBlock;
             const float* srstd = reinterpret_cast<const float*>(stage + 2 * kChunkRows * kTileRowBytes);
+            // Unrolled: the shared-memory loads of 8 rows go ahead of their additions (rolled, each
+            // row's loads wait behind the previous row's FP64 add).
+#pragma unroll 8
             for (int i = 0; i < static_cast<int>(r1 - r0); ++i) {  // row order
               float fdy[kCPL], fx[kCPL];
               st_cols<kCPL>(sdy + i * kColsPerBlock, fdy);
@@ -234,20 +257,21 @@ struct BwdColumnTask {
     __syncthreads();
   }
 
+  template <int kG>  // row groups per block
   static __device__ __forceinline__ void row_task(const cake_bwd_args_t& a, int64_t task) {
     float* scratch = reinterpret_cast<float*>(dyn_smem());
     const int g = threadIdx.x / L::kTPR;
     const int t = threadIdx.x % L::kTPR;
     const int warp = threadIdx.x / kWarpSize;
-    const int64_t row = task * kGroups + g;
-    const bool active = g < kGroups && row < a.T;  // threads past kGroups*kTPR idle (barriers only)
+    const int64_t row = task * kG + g;
+    const bool active = g < kG && row < a.T;  // threads past kG*kTPR idle (barriers only)
     const int64_t off = active ? row * H : 0;
     const bf16* dres = kRes && a.dresidual_out ? static_cast<const bf16*>(a.dresidual_out) + off : nullptr;
     prefetch_weight_small_t<L>(static_cast<const W*>(a.weight), t, a.T);
     bwd_row<H, L, W, kRes>(static_cast<const bf16*>(a.dy) + off, static_cast<const bf16*>(a.x) + off, dres,
                            static_cast<const W*>(a.weight), active ? __ldg(a.rstd + row) : 0.f,
                            static_cast<bf16*>(a.dx) + off, active, t, scratch, warp,
-                           g < kGroups ? g * L::kWarps : 0, [](int, float, float) {});
+                           g < kG ? g * L::kWarps : 0, [](int, float, float) {});
   }
 
   static __device__ __forceinline__ void run(const cake_bwd_args_t& a) {
@@ -256,19 +280,41 @@ struct BwdColumnTask {
       if (task < kColTasks) {
         column_task(a, static_cast<int>(task));
       } else {
-        row_task(a, task - kColTasks);
+        row_task<kGroups>(a, task - kColTasks);
       }
     }
   }
 
+  static __device__ __forceinline__ void run_rows(const cake_bwd_args_t& a) {
+    pdl_allow_dependents();  // the column kernel needs nothing of ours: let it be scheduled now
+    const int64_t tasks = (a.T + kRowGroups - 1) / kRowGroups;
+    for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) row_task<kRowGroups>(a, task);
+  }
+  static __device__ __forceinline__ void run_cols(const cake_bwd_args_t& a) {
+    for (int task = blockIdx.x; task < kColTasks; task += gridDim.x) column_task(a, task);
+    pdl_wait();  // complete only after the row kernel: the stream's next work may read dx
+  }
+
   static cudaError_t launch(const cake_bwd_args_t& a, cudaStream_t st) {
     if (a.T <= 0) return cudaSuccess;
-    const cudaError_t e = prepare_smem<BwdColumnTask>(bwd_column_task_kernel<BwdColumnTask>, kSmemBytes);
-    if (e != cudaSuccess) return e;
-    const int64_t tasks = kColTasks + (a.T + kGroups - 1) / kGroups;
-    const int64_t want = tasks < 0x7fffffffLL ? tasks : 0x7fffffffLL;
-    bwd_column_task_kernel<BwdColumnTask><<<grid_capped(want, a.grid_cap), kThreads, kSmemBytes, st>>>(a);
-    return cudaSuccess;
+    if constexpr (kLaunches == 2) {
+      cudaError_t e = prepare_smem<BwdColumnTask>(bwd_column_cols_kernel<BwdColumnTask>, kSmemBytes);
+      if (e != cudaSuccess) return e;
+      const int64_t rows = (a.T + kRowGroups - 1) / kRowGroups;
+      bwd_column_rows_kernel<BwdColumnTask><<<grid_capped(rows < 0x7fffffffLL ? rows : 0x7fffffffLL, a.grid_cap),
+                                              kRowThreads, kReduceScratchBytes, st>>>(a);
+      e = cudaGetLastError();
+      if (e != cudaSuccess) return e;
+      return launch_dependent(bwd_column_cols_kernel<BwdColumnTask>, grid_capped(kColTasks, a.grid_cap), kThreads,
+                              kSmemBytes, st, a);
+    } else {
+      const cudaError_t e = prepare_smem<BwdColumnTask>(bwd_column_task_kernel<BwdColumnTask>, kSmemBytes);
+      if (e != cudaSuccess) return e;
+      const int64_t tasks = kColTasks + (a.T + kGroups - 1) / kGroups;
+      const int64_t want = tasks < 0x7fffffffLL ? tasks : 0x7fffffffLL;
+      bwd_column_task_kernel<BwdColumnTask><<<grid_capped(want, a.grid_cap), kThreads, kSmemBytes, st>>>(a);
+      return cudaSuccess;
+    }
   }
 };
 
