@@ -26,7 +26,12 @@ from typing import Dict, List
 # only; the CUDA runtime is found through the nvidia-cuda-runtime wheel beside the provider).
 # `-Xlinker -s` drops the static symbol table, where nvcc leaves its temp file's name (tmpxft_<pid>_…):
 # with it two builds of one source give the same bytes. The exported ABI (.dynsym) stays.
-FLAGS = ["-shared", "-Xcompiler", "-fPIC", "-std=c++17", "-O3", "--prec-div=true",
+# `-fvisibility=hidden`: only the ABI (marked default-visible in bindings/export.cuh) is exported.
+# Without it the host code's template statics (the shared-memory attribute flag of prepare_smem,
+# the occupancy cache) are STB_GNU_UNIQUE, which the dynamic linker binds process-wide even under
+# RTLD_LOCAL: a second copy of one library (e.g. the installed wheel's and a tool's build folder's)
+# then used the first copy's "attributes set" flag and failed its launch above 48 KiB.
+FLAGS = ["-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", "-std=c++17", "-O3", "--prec-div=true",
          "--prec-sqrt=true", "--ftz=false", "-Xfatbin=-compress-all", "-cudart", "none",
          "-l:libcudart.so.13", "-Xlinker", "-rpath,$ORIGIN/../../nvidia/cu13/lib", "-Xlinker", "-s",
          "-Xptxas", "-v"]
