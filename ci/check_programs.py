@@ -280,12 +280,13 @@ def main(argv) -> int:
     report, bad, skipped, libs = [], 0, 0, {}
     reg = load_registry()
     runtime_h = [e for e in index["libraries"] if reg.programs[e["program"]].runtime_h]
+    fixed_h = [e for e in index["libraries"] if e not in runtime_h]
     for entry in runtime_h:  # their calls take H: tests/gpu/test_generic_gpu.py checks them
         skipped += 1
         report.append({"name": entry["name"], "skipped": "run-time H (tests/gpu/test_generic_gpu.py)",
                        "failures": []})
         print(f"skip {entry['name']:<44} run-time H: tests/gpu/test_generic_gpu.py checks it", flush=True)
-    for entry in [e for e in index["libraries"] if e not in runtime_h]:
+    for entry in fixed_h:
         lib = libs[entry["name"]] = open_entry(folder, entry)
         why = smem_refusal(entry)
         if not why:
@@ -308,7 +309,6 @@ def main(argv) -> int:
                    f"dx {row['dx_ratio']:.3f} y {row['y_ratio']:.3f} rstd {row['rstd_rel']:.1e}")
         print(f"{flag} {row['name']:<44}{figures}"
               + ("".join(f"\n     {f}" for f in row["failures"][:4])), flush=True)
-    fixed_h = [e for e in index["libraries"] if e not in runtime_h]
     forms = compare_forms(fixed_h, libs, sm) + compare_forward_programs(fixed_h, libs)
     forms_bad = sum(bool(r["failures"]) for r in forms)
     forms_skipped = sum(bool(r["skipped"]) for r in forms)

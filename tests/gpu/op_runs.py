@@ -34,3 +34,14 @@ def run(x, r, w, dy, dh, backend: str) -> dict:
         assert same_bits(x.grad, r.grad), "dx of x and of residual differ"
     return dict(y=y.detach(), h=None if h is None else h.detach(), rstd=rstd.detach(),
                 dx=x.grad, dw=w.grad)
+
+
+def cases(inp: dict):
+    """(residual, r, dh, xn, wname, w) for each residual setting and weight dtype of `inp`; xn is
+    what the op normalises: h = bf16(x + r), as torch rounds it, or x."""
+    x = inp["x"]
+    for residual in (False, True):
+        r, dh = (inp["r"], inp["dh"]) if residual else (None, None)
+        xn = (x + r) if residual else x
+        for wname, w in inp["w"].items():
+            yield residual, r, dh, xn, wname, w

@@ -53,29 +53,26 @@ def test_generic_accuracy_and_det_bits(hidden, tokens):
     inp = _inputs(hidden, tokens)
     x, dy = inp["x"], inp["dy"]
     fails = []
-    for residual in (False, True):
-        r, dh = (inp["r"], inp["dh"]) if residual else (None, None)
-        xn = (x + r) if residual else x  # h = bf16(x + r), as torch rounds it
-        for wname, w in inp["w"].items():
-            runs = {}
-            for backend in ("det", "fast"):
-                case = f"{backend} {wname} weight{' +residual' if residual else ''}"
-                out = runs[backend] = _run(x, r, w, dy, dh, backend)
-                if residual and not same_bits(out["h"], xn):
-                    fails.append(f"{case}: h != bf16(x + residual)")
-                m = accuracy.measure(xn, w, dy, dh, out, EPS)
-                # a BF16 dw is stored in bf16: its own rounding (up to 2^-8 |ref|, inside the
-                # contract, accuracy.py) takes it near 1.0 whatever the sum's accuracy
-                limit = DW_WORST if w.dtype == torch.float32 else 1.0
-                fails += [f"{case}: {f}" for f in m.failures(dw_ratio_limit=limit)]
-            again = _run(x, r, w, dy, dh, "det")
-            for key in ("y", "rstd", "dx", "dw"):
-                if not same_bits(runs["det"][key], again[key]):
-                    fails.append(f"det {wname} res={residual}: {key} differs between two runs")
-                if not same_bits(runs["det"][key], runs["fast"][key]):
-                    fails.append(f"{wname} res={residual}: fast's {key} differs from det's (both "
-                                 f"run the generic programs)")
-            del runs, again
+    for residual, r, dh, xn, wname, w in op_runs.cases(inp):
+        runs = {}
+        for backend in ("det", "fast"):
+            case = f"{backend} {wname} weight{' +residual' if residual else ''}"
+            out = runs[backend] = _run(x, r, w, dy, dh, backend)
+            if residual and not same_bits(out["h"], xn):
+                fails.append(f"{case}: h != bf16(x + residual)")
+            m = accuracy.measure(xn, w, dy, dh, out, EPS)
+            # a BF16 dw is stored in bf16: its own rounding (up to 2^-8 |ref|, inside the
+            # contract, accuracy.py) takes it near 1.0 whatever the sum's accuracy
+            limit = DW_WORST if w.dtype == torch.float32 else 1.0
+            fails += [f"{case}: {f}" for f in m.failures(dw_ratio_limit=limit)]
+        again = _run(x, r, w, dy, dh, "det")
+        for key in ("y", "rstd", "dx", "dw"):
+            if not same_bits(runs["det"][key], again[key]):
+                fails.append(f"det {wname} res={residual}: {key} differs between two runs")
+            if not same_bits(runs["det"][key], runs["fast"][key]):
+                fails.append(f"{wname} res={residual}: fast's {key} differs from det's (both "
+                             f"run the generic programs)")
+        del runs, again
     assert not fails, f"H={hidden} T={tokens}:\n  " + "\n  ".join(fails)
 
 

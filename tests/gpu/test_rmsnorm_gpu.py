@@ -63,22 +63,19 @@ def test_accuracy_and_det_bits(hidden, tokens):
     inp = _inputs(hidden, tokens)
     x, dy = inp["x"], inp["dy"]
     fails = []
-    for residual in (False, True):
-        r, dh = (inp["r"], inp["dh"]) if residual else (None, None)
-        xn = (x + r) if residual else x  # h = bf16(x + r), as torch rounds it
-        for wname, w in inp["w"].items():
-            for backend in ("det", "fast"):
-                case = f"{backend} {wname} weight{' +residual' if residual else ''}"
-                out = _run(x, r, w, dy, dh, backend)
-                if residual and not same_bits(out["h"], xn):
-                    fails.append(f"{case}: h != bf16(x + residual)")
-                fails += [f"{case}: {f}" for f in _check(xn, w, dy, dh, out, case)]
-                if backend == "det":
-                    again = _run(x, r, w, dy, dh, backend)
-                    for key in ("y", "rstd", "dx", "dw"):
-                        if not same_bits(out[key], again[key]):
-                            fails.append(f"{case}: {key} differs bitwise between two runs")
-                del out
+    for residual, r, dh, xn, wname, w in op_runs.cases(inp):
+        for backend in ("det", "fast"):
+            case = f"{backend} {wname} weight{' +residual' if residual else ''}"
+            out = _run(x, r, w, dy, dh, backend)
+            if residual and not same_bits(out["h"], xn):
+                fails.append(f"{case}: h != bf16(x + residual)")
+            fails += [f"{case}: {f}" for f in _check(xn, w, dy, dh, out, case)]
+            if backend == "det":
+                again = _run(x, r, w, dy, dh, backend)
+                for key in ("y", "rstd", "dx", "dw"):
+                    if not same_bits(out[key], again[key]):
+                        fails.append(f"{case}: {key} differs bitwise between two runs")
+            del out
     assert not fails, f"H={hidden} T={tokens}:\n  " + "\n  ".join(fails)
 
 

@@ -141,14 +141,30 @@ class Library:
         return cls(name, Path(path), cdll, info, direction)
 
     # ---- calls (hot path) --------------------------------------------------------------------
-    def fwd(self, x: int, residual: int, weight: int, y: int, residual_out: int, rstd: int,
-            tokens: int, eps: float, stream: int) -> None:
+    def _fwd_args(self, x, residual, weight, y, residual_out, rstd, tokens, eps) -> FwdArgs:
+        """This thread's reused argument struct, filled (the fixed-H and generic calls share it)."""
         args = self._local.fwd
         if args is None:
             args = self._local.fwd = FwdArgs()
         args.x, args.residual, args.weight = x, residual, weight
         args.y, args.residual_out, args.rstd = y, residual_out, rstd
         args.T, args.eps = tokens, eps
+        return args
+
+    def _bwd_args(self, dy, dresidual_out, x, weight, rstd, dx, dw, workspace, workspace_bytes,
+                  tokens, grid_cap) -> BwdArgs:
+        args = self._local.bwd
+        if args is None:
+            args = self._local.bwd = BwdArgs()
+        args.dy, args.dresidual_out, args.x, args.weight = dy, dresidual_out, x, weight
+        args.rstd, args.dx, args.dw = rstd, dx, dw
+        args.workspace, args.workspace_bytes = workspace, workspace_bytes
+        args.T, args.grid_cap = tokens, grid_cap
+        return args
+
+    def fwd(self, x: int, residual: int, weight: int, y: int, residual_out: int, rstd: int,
+            tokens: int, eps: float, stream: int) -> None:
+        args = self._fwd_args(x, residual, weight, y, residual_out, rstd, tokens, eps)
         rc = self._fwd(args, stream)  # type: ignore[misc]
         if rc:
             raise LaunchError(_launch_message(self.name, "cake_fwd", rc))
@@ -158,13 +174,8 @@ class Library:
 
     def bwd(self, dy: int, dresidual_out: int, x: int, weight: int, rstd: int, dx: int, dw: int,
             workspace: int, workspace_bytes: int, tokens: int, grid_cap: int, stream: int) -> None:
-        args = self._local.bwd
-        if args is None:
-            args = self._local.bwd = BwdArgs()
-        args.dy, args.dresidual_out, args.x, args.weight = dy, dresidual_out, x, weight
-        args.rstd, args.dx, args.dw = rstd, dx, dw
-        args.workspace, args.workspace_bytes = workspace, workspace_bytes
-        args.T, args.grid_cap = tokens, grid_cap
+        args = self._bwd_args(dy, dresidual_out, x, weight, rstd, dx, dw, workspace, workspace_bytes,
+                              tokens, grid_cap)
         rc = self._bwd(args, stream)  # type: ignore[misc]
         if rc:
             raise LaunchError(_launch_message(self.name, "cake_bwd", rc, self.info.smem_bytes))
@@ -172,12 +183,7 @@ class Library:
     # ---- generic libraries: the same calls with H -------------------------------------------
     def fwd_h(self, x: int, residual: int, weight: int, y: int, residual_out: int, rstd: int,
               tokens: int, eps: float, hidden: int, stream: int) -> None:
-        args = self._local.fwd
-        if args is None:
-            args = self._local.fwd = FwdArgs()
-        args.x, args.residual, args.weight = x, residual, weight
-        args.y, args.residual_out, args.rstd = y, residual_out, rstd
-        args.T, args.eps = tokens, eps
+        args = self._fwd_args(x, residual, weight, y, residual_out, rstd, tokens, eps)
         rc = self._fwd_h(args, hidden, stream)  # type: ignore[misc]
         if rc:
             raise LaunchError(_launch_message(self.name, "cake_fwd_h", rc) + f" (H={hidden})")
@@ -188,13 +194,8 @@ class Library:
     def bwd_h(self, dy: int, dresidual_out: int, x: int, weight: int, rstd: int, dx: int, dw: int,
               workspace: int, workspace_bytes: int, tokens: int, grid_cap: int, hidden: int,
               stream: int) -> None:
-        args = self._local.bwd
-        if args is None:
-            args = self._local.bwd = BwdArgs()
-        args.dy, args.dresidual_out, args.x, args.weight = dy, dresidual_out, x, weight
-        args.rstd, args.dx, args.dw = rstd, dx, dw
-        args.workspace, args.workspace_bytes = workspace, workspace_bytes
-        args.T, args.grid_cap = tokens, grid_cap
+        args = self._bwd_args(dy, dresidual_out, x, weight, rstd, dx, dw, workspace, workspace_bytes,
+                              tokens, grid_cap)
         rc = self._bwd_h(args, hidden, stream)  # type: ignore[misc]
         if rc:
             raise LaunchError(_launch_message(self.name, "cake_bwd_h", rc, self.info.smem_bytes)

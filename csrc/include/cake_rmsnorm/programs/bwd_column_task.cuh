@@ -77,6 +77,8 @@ struct BwdColumnTask {
   static constexpr int kTileRowBytes = kColsPerBlock * 2;  // one tensor's bytes of a row in a task
   static constexpr int kWarpStage = 2 * kChunkRows * kTileRowBytes + kChunkRows * 4;
   static constexpr int kStageSmem = kStageChunk ? kRowSplits * kWarpStage : 0;
+  static_assert(!kStageChunk || H % kColsPerBlock == 0,
+                "stage_chunk needs whole column tiles: every lane of a warp takes part in its copies");
   static constexpr int kHidden = H;
   static constexpr bool kResidual = kRes;
   using WeightT = W;
@@ -125,9 +127,68 @@ struct BwdColumnTask {
   }
 
   template <int N>
-  static __device__ __forceinline__ void st_cols(const bf16* p, float (&f)[N]) {  // from shared memory
+  static __device__ __forceinline__ void ld_shared_cols(const bf16* p, float (&f)[N]) {
 #pragma unroll
     for (int e = 0; e < N; ++e) f[e] = __bfloat162float(p[e]);
+  }
+
+  // add(e, p, rstd) for rows [r0, r1) in row order, p = dy·x of this lane's column e: the chunk
+  // copied whole into this warp's stage first (stage_chunk = 1).
+  template <class Add>
+  static __device__ __forceinline__ void walk_chunk_staged(const cake_bwd_args_t& a, int task, int s, int lane,
+                                                           int64_t r0, int64_t r1, Add&& add) {
+    unsigned char* stage = dyn_smem() + kColSmem + s * kWarpStage;
+    stage_chunk(a, stage, r0, r1, task * kColsPerBlock, lane);
+    const bf16* sdy = reinterpret_cast<const bf16*>(stage) + lane * kCPL;
+    const bf16* sx = sdy + kChunkRows * kColsPerBlock;
+    const float* srstd = reinterpret_cast<const float*>(stage + 2 * kChunkRows * kTileRowBytes);
+    // Unrolled: the shared-memory loads of 8 rows go ahead of their additions (rolled, each row's
+    // loads wait behind the previous row's FP64 add).
+#pragma unroll 8
+    for (int i = 0; i < static_cast<int>(r1 - r0); ++i) {
+      float fdy[kCPL], fx[kCPL];
+      ld_shared_cols<kCPL>(sdy + i * kColsPerBlock, fdy);
+      ld_shared_cols<kCPL>(sx + i * kColsPerBlock, fx);
+      const float rstd = srstd[i];
+#pragma unroll
+      for (int e = 0; e < kCPL; ++e) add(e, __fmul_rn(fdy[e], fx[e]), rstd);
+    }
+    __syncwarp();  // the stage is read before the next chunk's copies land in it
+  }
+
+  // The same from global memory: kBatch rows' loads in flight at once, then their terms added in
+  // row order (the walk is bound by memory latency, not by the sequential additions); the next
+  // batch (up to seg_end) is prefetched to L2 meanwhile. dy, x: this lane's first column.
+  template <class Add>
+  static __device__ __forceinline__ void walk_chunk_batched(const cake_bwd_args_t& a, const bf16* dy, const bf16* x,
+                                                            int64_t r0, int64_t r1, int64_t seg_end, Add&& add) {
+    for (int64_t rb = r0; rb < r1; rb += kBatch) {
+      float rstd[kBatch], fdy[kBatch][kCPL], fx[kBatch][kCPL];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int64_t next = rb + kBatch + i;
+        if (next < seg_end) {
+          prefetch_l2(dy + next * H);
+          prefetch_l2(x + next * H);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int64_t row = rb + i < r1 ? rb + i : r1 - 1;  // past the chunk: loaded, not added
+        rstd[i] = __ldg(a.rstd + row);
+        ld_cols<kCPL>(dy + row * H, fdy[i]);
+        ld_cols<kCPL>(x + row * H, fx[i]);
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        // A row past the chunk adds a zero term, an exact no-op (a sum started at +0 is never -0).
+        // No branch: with one, the compiler sinks each row's loads behind the previous row's
+        // additions and the walk waits one memory latency per row.
+        const bool live = rb + i < r1;
+#pragma unroll
+        for (int e = 0; e < kCPL; ++e) add(e, live ? __fmul_rn(fdy[i][e], fx[i][e]) : 0.f, rstd[i]);
+      }
+    }
   }
 
   static __device__ __forceinline__ void column_task(const cake_bwd_args_t& a, int task) {
@@ -170,52 +231,9 @@ struct BwdColumnTask {
             }
           };
           if constexpr (kStageChunk) {
-            unsigned char* stage = dyn_smem() + kColSmem + s * kWarpStage;
-            stage_chunk(a, stage, r0, r1, task * kColsPerBlock, lane);
-            const bf16* sdy = reinterpret_cast<const bf16*>(stage) + cl;
-            const bf16* sx = sdy + kChunkRows * kColsPerBlock;
-            const float* srstd = reinterpret_cast<const float*>(stage + 2 * kChunkRows * kTileRowBytes);
-            // Unrolled: the shared-memory loads of 8 rows go ahead of their additions (rolled, each
-            // row's loads wait behind the previous row's FP64 add).
-#pragma unroll 8
-            for (int i = 0; i < static_cast<int>(r1 - r0); ++i) {  // row order
-              float fdy[kCPL], fx[kCPL];
-              st_cols<kCPL>(sdy + i * kColsPerBlock, fdy);
-              st_cols<kCPL>(sx + i * kColsPerBlock, fx);
-              const float rstd = srstd[i];
-#pragma unroll
-              for (int e = 0; e < kCPL; ++e) add_term(e, __fmul_rn(fdy[e], fx[e]), rstd);
-            }
-            __syncwarp();  // the stage is read before the next chunk's copies land in it
-          }
-          // kBatch rows' loads in flight at once, then their terms added in row order: the walk is
-          // bound by memory latency, not by the (sequential) additions.
-          for (int64_t rb = r0; rb < (kStageChunk ? r0 : r1); rb += kBatch) {
-            float rstd[kBatch], fdy[kBatch][kCPL], fx[kBatch][kCPL];
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i) {  // the next batch toward L2 while this one loads
-              const int64_t next = rb + kBatch + i;
-              if (next < seg_end) {
-                prefetch_l2(dy + next * H);
-                prefetch_l2(x + next * H);
-              }
-            }
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i) {
-              const int64_t row = rb + i < r1 ? rb + i : r1 - 1;  // past the chunk: loaded, not added
-              rstd[i] = __ldg(a.rstd + row);
-              ld_cols<kCPL>(dy + row * H, fdy[i]);
-              ld_cols<kCPL>(x + row * H, fx[i]);
-            }
-#pragma unroll
-            for (int i = 0; i < kBatch; ++i) {
-              // A row past the chunk adds a zero term, an exact no-op (a sum started at +0 is never
-              // -0). No branch: with one, the compiler sinks each row's loads behind the previous
-              // row's additions and the walk waits one memory latency per row.
-              const bool live = rb + i < r1;
-#pragma unroll
-              for (int e = 0; e < kCPL; ++e) add_term(e, live ? __fmul_rn(fdy[i][e], fx[i][e]) : 0.f, rstd[i]);
-            }
+            walk_chunk_staged(a, task, s, lane, r0, r1, add_term);
+          } else {
+            walk_chunk_batched(a, dy, x, r0, r1, seg_end, add_term);
           }
 #pragma unroll
           for (int e = 0; e < kCPL; ++e) {  // the pair's reduce: fold the chunk into the split

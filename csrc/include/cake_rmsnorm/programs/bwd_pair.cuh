@@ -103,6 +103,28 @@ __device__ __forceinline__ void combine_splits(W* dw, int H, float2* sm, int s, 
   __syncthreads();
 }
 
+// det's FP64 reduce, one block of kSplits warps over tiles of 32 columns (grid-stride): warp s
+// folds its segment of the chunk partials [nch][H] (doubles) in chunk order, then combine_splits.
+// H is a compile-time constant in the pair and a run-time one in the generic program.
+template <class W, int kSplits>
+__device__ __forceinline__ void reduce_fp64_partials(const cake_bwd_args_t& a, int H, int64_t nch) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int s = threadIdx.x / kWarpSize;
+  const double* part = static_cast<const double*>(a.workspace);
+  W* dw = static_cast<W*>(a.dw);
+  int64_t c0, c1;
+  chunk_segment<kSplits>(nch, s, c0, c1);
+  const int tiles = ceil_div(H, kWarpSize);
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int col = tile * kWarpSize + lane;
+    const double* p = part + (col < H ? col : 0);
+    const int64_t e1 = col < H ? c1 : c0;  // past H: an empty segment, barriers only
+    double sum = 0.0;
+    fold_in_order<double>(c0, e1, [&](int64_t c) { return __ldg(p + c * H); }, [&](double v) { sum += v; });
+    combine_splits<W, kSplits>(dw, H, reinterpret_cast<double*>(dyn_smem()), s, lane, col, sum);
+  }
+}
+
 template <int H, class W, bool kRes, Reduction kR, int kChunkRows, int kRingRows = 3>
 struct BwdPair {
   static_assert(kChunkRows >= 1, "chunk_rows must be positive");
@@ -198,29 +220,27 @@ struct BwdPair {
 
   static __device__ __forceinline__ void run_reduce(const cake_bwd_args_t& a) {
     pdl_wait();  // launched while the main kernel drains: its partials must have landed
-    const int lane = threadIdx.x % kWarpSize;
-    const int s = threadIdx.x / kWarpSize;
-    const Part* part = static_cast<const Part*>(a.workspace);
-    W* dw = static_cast<W*>(a.dw);
     const int64_t nch = nchunks(a.T);
-    int64_t c0, c1;
-    chunk_segment<kSplits>(nch, s, c0, c1);
-    constexpr int kTiles = ceil_div(H, kWarpSize);
-    for (int tile = blockIdx.x; tile < kTiles; tile += gridDim.x) {
-      const int col = tile * kWarpSize + lane;
-      const Part* p = part + (col < H ? col : 0);
-      const int64_t e1 = col < H ? c1 : c0;  // past H: an empty segment, barriers only
-      if constexpr (kFp64) {
-        double sum = 0.0;
-        fold_in_order<double>(c0, e1, [&](int64_t c) { return __ldg(p + c * H); }, [&](double v) { sum += v; });
-        combine_splits<W, kSplits>(dw, H, reinterpret_cast<double*>(dyn_smem()), s, lane, col, sum);
-      } else {
+    if constexpr (kFp64) {
+      reduce_fp64_partials<W, kSplits>(a, H, nch);
+    } else {
+      const int lane = threadIdx.x % kWarpSize;
+      const int s = threadIdx.x / kWarpSize;
+      const float* part = static_cast<const float*>(a.workspace);
+      int64_t c0, c1;
+      chunk_segment<kSplits>(nch, s, c0, c1);
+      constexpr int kTiles = ceil_div(H, kWarpSize);
+      for (int tile = blockIdx.x; tile < kTiles; tile += gridDim.x) {
+        const int col = tile * kWarpSize + lane;
+        const float* p = part + (col < H ? col : 0);
         const float* q = p + nch * H;  // the compensation plane
+        const int64_t e1 = col < H ? c1 : c0;  // past H: an empty segment, barriers only
         float S = 0.f, C = 0.f;
         fold_in_order<float2>(
             c0, e1, [&](int64_t c) { return make_float2(__ldg(p + c * H), __ldg(q + c * H)); },
             [&](float2 v) { two_sum_add(S, C, v.x, v.y); });
-        combine_splits<W, kSplits>(dw, H, reinterpret_cast<float2*>(dyn_smem()), s, lane, col, make_float2(S, C));
+        combine_splits<W, kSplits>(static_cast<W*>(a.dw), H, reinterpret_cast<float2*>(dyn_smem()), s, lane,
+                                   col, make_float2(S, C));
       }
     }
   }

@@ -232,22 +232,7 @@ struct GenericBwdPair : GenericRow<kThreads_, kVecsPerThread> {
   }
 
   static __device__ __forceinline__ void run_reduce(const cake_bwd_args_t& a, int H) {
-    const int lane = threadIdx.x % kWarpSize;
-    const int s = threadIdx.x / kWarpSize;
-    const double* part = static_cast<const double*>(a.workspace);
-    W* dw = static_cast<W*>(a.dw);
-    const int64_t nch = nchunks(a.T);
-    int64_t c0, c1;
-    chunk_segment<kSplits>(nch, s, c0, c1);
-    const int tiles = ceil_div(H, kWarpSize);
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const int col = tile * kWarpSize + lane;
-      const double* p = part + (col < H ? col : 0);
-      const int64_t e1 = col < H ? c1 : c0;  // past H: an empty segment, barriers only
-      double sum = 0.0;
-      fold_in_order<double>(c0, e1, [&](int64_t c) { return __ldg(p + c * H); }, [&](double v) { sum += v; });
-      combine_splits<W, kSplits>(dw, H, reinterpret_cast<double*>(dyn_smem()), s, lane, col, sum);
-    }
+    reduce_fp64_partials<W, kSplits>(a, H, nchunks(a.T));
   }
 
   static cudaError_t launch(const cake_bwd_args_t& a, int H, cudaStream_t st) {
