@@ -25,7 +25,7 @@ from cake_rmsnorm.registry import (GENERIC_HIDDEN, GENERIC_LABEL, Library, Libra
                                    build_registry, load_registry)
 from cake_rmsnorm.runtime import abi, device, loader
 
-from test_runtime_cpu import HEADER_DIR, _make_provider, _Null
+from test_runtime_cpu import HEADER_DIR, _make_provider
 
 REG = load_registry()
 SM90 = REG.arch("sm_90a")
@@ -231,10 +231,10 @@ def generic_op(request, monkeypatch, tmp_path):
     monkeypatch.setattr(loader, "ensure_cudart", lambda: None)
     monkeypatch.setattr(device, "_query", lambda index: ("NVIDIA H200", (9, 0), 132))
     monkeypatch.setattr(checks, "check_device", lambda *a: None)
-    monkeypatch.setattr(ops, "_OnDevice", lambda index: _Null())
+    monkeypatch.setattr(ops, "_on_device", lambda index, launch, *args: launch(*args, ops._stream(index)))
     monkeypatch.setattr(ops, "_stream", lambda index: 0x5EED)
     real_library = ops._library
-    monkeypatch.setattr(ops, "_library", lambda index, *args: real_library(index or 0, *args))
+    monkeypatch.setattr(ops, "_library", lambda index, *args: real_library(max(index, 0), *args))
     ops._tables.clear()
     yield torch, ops
     ops._tables.clear()

@@ -293,23 +293,15 @@ def stub_op(request, monkeypatch, tmp_path):
     monkeypatch.setattr(loader, "ensure_cudart", lambda: None)
     monkeypatch.setattr(device, "_query", lambda index: ("NVIDIA H200", (9, 0), 132))
     monkeypatch.setattr(checks, "check_device", lambda *a: None)
-    monkeypatch.setattr(ops, "_OnDevice", lambda index: _Null())
+    monkeypatch.setattr(ops, "_on_device", lambda index, launch, *args: launch(*args, ops._stream(index)))
     monkeypatch.setattr(ops, "_stream", lambda index: 0x5EED)
     real_library = ops._library
 
-    def library(index, *args):  # CPU tensors have device index None
-        return real_library(0 if index is None else index, *args)
+    def library(index, *args):  # CPU tensors have device index -1
+        return real_library(0 if index is None or index < 0 else index, *args)
     monkeypatch.setattr(ops, "_library", library)
     ops._tables.clear()
     return torch, ops
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _last(ops, kind: str):
@@ -345,6 +337,19 @@ def test_op_forward_and_backward_pass_the_right_pointers(stub_op):
                                                       x.grad.data_ptr(), w.grad.data_ptr())
     assert (args.T, args.workspace_bytes, args.grid_cap, args.dresidual_out) == (
         300, 300 * 1000 + 132, 0, None)
+
+
+def test_workspace_size_is_remembered_per_token_count():
+    """The hot path asks the library once per (T, SM count); the memory stays bounded."""
+    lib = abi.Library.__new__(abi.Library)
+    calls = []
+    lib._ws = lambda t, sm: calls.append((t, sm)) or t * 10 + sm
+    lib._ws_bytes = {}
+    assert [lib.bwd_workspace_bytes(t, 132) for t in (5, 5, 7, 5)] == [182, 182, 202, 182]
+    assert calls == [(5, 132), (7, 132)]
+    for t in range(abi._WS_CACHE_SIZE + 3):
+        assert lib.bwd_workspace_bytes(t, 1) == t * 10 + 1
+    assert len(lib._ws_bytes) <= abi._WS_CACHE_SIZE
 
 
 def test_op_residual_backward_passes_dresidual(stub_op):

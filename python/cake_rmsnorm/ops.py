@@ -94,10 +94,12 @@ def _library(index: int, backend: str, direction: str, hidden: int, tokens: int,
     return lib, table.info.sm_count
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(index: int) -> int:
-    get_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if get_raw is not None:
-        return int(get_raw(index))
+    if _raw_stream is not None:
+        return int(_raw_stream(index))
     return int(torch.cuda.current_stream(index).cuda_stream)
 
 
@@ -115,24 +117,18 @@ def _ready(t: Tensor) -> Tensor:
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
-class _OnDevice:
-    """Make `index` the current CUDA device for the call (a no-op when it already is)."""
-
-    __slots__ = ("index", "prev")
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.prev = -1
-
-    def __enter__(self) -> None:
-        cur = _current_device()
-        if cur != self.index:
-            self.prev = cur
-            torch.cuda.set_device(self.index)
-
-    def __exit__(self, *exc) -> None:
-        if self.prev >= 0:
-            torch.cuda.set_device(self.prev)
+def _on_device(index: int, launch, *args) -> None:
+    """launch(*args, stream) with `index` the current CUDA device and its current stream; the
+    device is switched (and restored) only when it is not already current."""
+    prev = _current_device()
+    if prev == index:
+        launch(*args, _stream(index))
+        return
+    torch.cuda.set_device(index)
+    try:
+        launch(*args, _stream(index))
+    finally:
+        torch.cuda.set_device(prev)
 
 
 def _launch_fwd(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
@@ -143,21 +139,20 @@ def _launch_fwd(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
     tokens, hidden = x.shape
     y = _like(x)
     h = None if residual is None else _like(x)
-    rstd = torch.empty((tokens,), dtype=torch.float32, device=x.device)
+    rstd = x.new_empty((tokens,), dtype=torch.float32)
     if tokens == 0:
         return y, h, rstd
     x, weight = _ready(x), _ready(weight)
-    index = x.device.index
+    index = x.get_device()
     lib, _ = _library(index, backend, "fwd", hidden, tokens, _WEIGHT_DTYPES[weight.dtype],
                       residual is not None)
-    with _OnDevice(index):
-        if residual is None:
-            lib.fwd(x.data_ptr(), _NULL, weight.data_ptr(), y.data_ptr(), _NULL, rstd.data_ptr(),
-                    tokens, eps, _stream(index))
-        else:
-            residual = _ready(residual)
-            lib.fwd(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                    h.data_ptr(), rstd.data_ptr(), tokens, eps, _stream(index))  # type: ignore
+    if residual is None:
+        _on_device(index, lib.fwd, x.data_ptr(), _NULL, weight.data_ptr(), y.data_ptr(), _NULL,
+                   rstd.data_ptr(), tokens, eps)
+    else:
+        residual = _ready(residual)
+        _on_device(index, lib.fwd, x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                   y.data_ptr(), h.data_ptr(), rstd.data_ptr(), tokens, eps)  # type: ignore
     return y, h, rstd
 
 
@@ -199,19 +194,19 @@ def _launch_bwd(dy: Tensor, dresidual_out: Optional[Tensor], x: Tensor, weight: 
     if tokens == 0:
         return dx, dw.zero_()
     dy, x, weight, rstd = _ready(dy), _ready(x), _ready(weight), _ready(rstd)
-    index = x.device.index
+    index = x.get_device()
     lib, sm_count = _library(index, backend, "bwd", hidden, tokens, _WEIGHT_DTYPES[weight.dtype],
                              residual)
     ws_bytes = lib.bwd_workspace_bytes(tokens, sm_count)
-    workspace = torch.empty((max(ws_bytes, 1),), dtype=torch.uint8, device=x.device)
+    # held until the launch is queued: the allocator orders its reuse on this stream
+    workspace = torch.empty((ws_bytes,), dtype=torch.uint8, device=x.device) if ws_bytes else None
     dres_ptr = _NULL
     if dresidual_out is not None:
         dresidual_out = _ready(dresidual_out)
         dres_ptr = dresidual_out.data_ptr()
-    with _OnDevice(index):
-        lib.bwd(dy.data_ptr(), dres_ptr, x.data_ptr(), weight.data_ptr(), rstd.data_ptr(),
-                dx.data_ptr(), dw.data_ptr(), workspace.data_ptr(), ws_bytes, tokens, _grid_cap,
-                _stream(index))
+    _on_device(index, lib.bwd, dy.data_ptr(), dres_ptr, x.data_ptr(), weight.data_ptr(),
+               rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(),
+               workspace.data_ptr() if workspace is not None else _NULL, ws_bytes, tokens, _grid_cap)
     return dx, dw
 
 

@@ -68,6 +68,9 @@ class BwdArgs(ctypes.Structure):
     ]
 
 
+_WS_CACHE_SIZE = 256  # distinct token counts remembered per library (variable-length batches)
+
+
 class _PerThread(threading.local):
     """One reusable args struct per thread: the library reads it synchronously during the call."""
 
@@ -87,6 +90,7 @@ class Library:
         self.direction = direction
         self.program = (info.program or b"").decode("utf-8", "replace")
         self._local = _PerThread()
+        self._ws_bytes: dict = {}
         self._fwd = self._bwd = self._ws = None
         self.generic = info.hidden == 0  # H is an argument of its calls (abi.h)
         self._fwd_h = self._bwd_h = self._ws_h = None
@@ -170,7 +174,14 @@ class Library:
             raise LaunchError(_launch_message(self.name, "cake_fwd", rc))
 
     def bwd_workspace_bytes(self, tokens: int, sm_count: int) -> int:
-        return int(self._ws(tokens, sm_count))  # type: ignore[misc]
+        # remembered per (T, SM count): a ctypes call costs more than the lookup on the hot path
+        key = (tokens, sm_count)
+        n = self._ws_bytes.get(key)
+        if n is None:
+            if len(self._ws_bytes) >= _WS_CACHE_SIZE:
+                self._ws_bytes.clear()
+            n = self._ws_bytes[key] = int(self._ws(tokens, sm_count))  # type: ignore[misc]
+        return n
 
     def bwd(self, dy: int, dresidual_out: int, x: int, weight: int, rstd: int, dx: int, dw: int,
             workspace: int, workspace_bytes: int, tokens: int, grid_cap: int, stream: int) -> None:

@@ -3,7 +3,7 @@
  *
  * Main kernel: the rows are cut into FIXED chunks of kChunkRows rows (chunk c = rows
  * [c*kChunkRows, ...)), independent of SM count and grid. One block = one row group (BwdLayout);
- * grid = min(nchunks, resident blocks, grid_cap); block b takes chunks b, b + grid, ... and walks
+ * grid = balanced_grid(nchunks, resident blocks), capped by grid_cap; block b takes chunks b, b + grid, ... and walks
  * their rows as one sequence through the row pipeline (bwd_row.cuh: the next kRingRows rows' dy and
  * x in flight in shared memory; more when few chunks mean few blocks). For each row, in row order, it computes dx and each thread adds the
  * row's dw terms of its own columns into registers, so every column of a chunk is summed by one
@@ -56,7 +56,7 @@ __host__ __device__ __forceinline__ void chunk_segment(int64_t nch, int s, int64
 // added, so however the compiler interleaves loads and additions (it does: it sinks each load next
 // to its use), an addition waits at most once per batch for memory. Indices past c1 load c1 - 1 and
 // add T{} (zero), an exact no-op (a sum started at +0 never becomes -0).
-constexpr int kFoldAhead = 16;
+constexpr int kFoldAhead = 32;
 template <class T, class Load, class Add>
 __device__ __forceinline__ void fold_in_order(int64_t c0, int64_t c1, Load&& load, Add&& add) {
   if (c0 >= c1) return;
@@ -255,8 +255,7 @@ struct BwdPair {
     const int64_t nch = nchunks(a.T);
     const int64_t full = static_cast<int64_t>(sm) *
         blocks_per_sm(bwd_pair_kernel<BwdPair>, kThreads, kMainSmem, kBlocksPerSm);
-    const int64_t want = nch < full ? nch : full;
-    bwd_pair_kernel<BwdPair><<<grid_capped(want, a.grid_cap), kThreads, kMainSmem, st>>>(a);
+    bwd_pair_kernel<BwdPair><<<grid_capped(balanced_grid(nch, full), a.grid_cap), kThreads, kMainSmem, st>>>(a);
     return cudaGetLastError();
   }
 

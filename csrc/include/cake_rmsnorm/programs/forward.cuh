@@ -1,9 +1,9 @@
 /* Forward: two programs forms over one row math (forward_row), so they give the same bits.
  *
- *   cake::Forward<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock>
+ *   cake::Forward<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock, kWeightAhead>
  *     A block holds min(kRowsPerBlock, 1024 / threads per row) row groups; group g of block b
  *     normalises row b*rows + g, loading its vectors straight from global memory.
- *     grid = ceil(T / rows).
+ *     grid = ceil(T / rows). kWeightAhead 1: the weight is loaded with x, before the reduction.
  *   cake::ForwardRing<H, WeightT, kResidual, kReduction (fp32), kBlocksPerSm>
  *     Persistent: a block is one row group; grid = sm_count * min(kBlocksPerSm, resident blocks),
  *     block b takes rows b, b + grid, ... through a ring of the next rows in shared memory
@@ -34,10 +34,12 @@ __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) forward_kernel(con
 
 // One row: vx (and vr) are this thread's vectors of x (and residual). Every thread of the block
 // calls it (group_sum's barriers); `active` = the row exists.
-template <int H, class L, class W, bool kRes>
+// weight(k, fw) gives this thread's k-th weight vector as 8 floats (a load after the reduction, or
+// registers loaded with x: WeightAhead).
+template <int H, class L, class W, bool kRes, class Weight>
 __device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t row, bool active,
                                             uint4 (&vh)[L::kVPT], const uint4 (&vr)[L::kVPT], int t,
-                                            float* scratch, int warp, int warp0) {
+                                            float* scratch, int warp, int warp0, Weight&& weight) {
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < L::kVPT; ++k) {
@@ -62,28 +64,55 @@ __device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t ro
   const int64_t off = row * H;
   bf16* y = static_cast<bf16*>(a.y) + off;
   bf16* ro = kRes ? static_cast<bf16*>(a.residual_out) + off : nullptr;
-  const W* w = static_cast<const W*>(a.weight);
 #pragma unroll
   for (int k = 0; k < L::kVPT; ++k) {
     if (!L::valid(k, t)) continue;
     if constexpr (kRes) st_vec(ro, L::vec(k, t), vh[k]);
     float fh[kVec], fw[kVec], fy[kVec];
     unpack8(vh[k], fh);
-    ld_w8(w, L::vec(k, t), fw);
+    weight(k, fw);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) fy[e] = (fh[e] * rstd) * fw[e];
     st_vec(y, L::vec(k, t), pack8(fy));
   }
 }
 
-template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock>
+// This thread's weight vectors: loaded after the row's reduction (kAhead false: L1/L2, no registers
+// held), or with x before it (kAhead true: 8 floats per vector held across the reduction, so a row
+// waits one memory round trip, not two: for grids of about one wave, where nothing else hides it).
+template <class L, class W, bool kAhead>
+struct RowWeight {
+  const W* w;
+  int t;
+  float f[kAhead ? L::kVPT : 1][kVec];
+  __device__ __forceinline__ RowWeight(const W* w_, int t_) : w(w_), t(t_) {
+    if constexpr (kAhead) {
+#pragma unroll
+      for (int k = 0; k < L::kVPT; ++k) {
+        if (L::valid(k, t)) ld_w8(w, L::vec(k, t), f[k]);
+      }
+    }
+  }
+  __device__ __forceinline__ void operator()(int k, float (&fw)[kVec]) const {
+    if constexpr (kAhead) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) fw[e] = f[k][e];
+    } else {
+      ld_w8(w, L::vec(k, t), fw);
+    }
+  }
+};
+
+template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead>
 struct Forward {
   static_assert(kR == Reduction::kFp32, "forward: reduction must be fp32");
   static_assert(kRowsPerBlock >= 1 && kRowsPerBlock <= 32, "rows_per_block out of range");
+  static_assert(kWeightAhead == 0 || kWeightAhead == 1, "weight_ahead must be 0 or 1");
   using L = FwdLayout<H>;
   static constexpr int kRows = cmin(kRowsPerBlock, 1024 / L::kTPR);  // row groups per block
   static constexpr int kThreads = kRows * L::kTPR;
-  static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * 64));  // <= 64 registers
+  // <= 64 registers; weight_ahead holds 8 * kVPT more floats: <= 96
+  static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * (kWeightAhead ? 96 : 64)));
   static constexpr int kHidden = H;
   static constexpr bool kResidual = kRes;
   using WeightT = W;
@@ -94,11 +123,12 @@ struct Forward {
     const int g = threadIdx.x / L::kTPR;
     const int t = threadIdx.x % L::kTPR;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + g;
-    const bool active = row < a.T;
+    const bool active = kRows == 1 || row < a.T;  // one row a block: grid = T, every row exists
     const int64_t off = active ? row * H : 0;
     const bf16* x = static_cast<const bf16*>(a.x) + off;
     const bf16* r = kRes ? static_cast<const bf16*>(a.residual) + off : nullptr;
-    prefetch_weight_small_t<L>(static_cast<const W*>(a.weight), t, a.T);
+    const W* w = static_cast<const W*>(a.weight);
+    if constexpr (!kWeightAhead) prefetch_weight_small_t<L>(w, t, a.T);
     uint4 vh[L::kVPT], vr[L::kVPT];
 #pragma unroll
     for (int k = 0; k < L::kVPT; ++k) {
@@ -106,7 +136,9 @@ struct Forward {
       vh[k] = live ? ld_vec(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
       vr[k] = kRes && live ? ld_vec(r, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
     }
-    forward_row<H, L, W, kRes>(a, row, active, vh, vr, t, scratch, threadIdx.x / kWarpSize, g * L::kWarps);
+    const RowWeight<L, W, kWeightAhead != 0> weight(w, t);
+    forward_row<H, L, W, kRes>(a, row, active, vh, vr, t, scratch, threadIdx.x / kWarpSize, g * L::kWarps,
+                               weight);
   }
 
   static cudaError_t launch(const cake_fwd_args_t& a, cudaStream_t s) {
@@ -142,7 +174,9 @@ struct ForwardRing {
     const int64_t n = b < a.T ? (a.T - b + grid - 1) / grid : 0;
     const bf16* x = static_cast<const bf16*>(a.x);
     const bf16* r = kRes ? static_cast<const bf16*>(a.residual) : nullptr;
-    prefetch_weight<L>(static_cast<const W*>(a.weight), t);
+    const W* w = static_cast<const W*>(a.weight);
+    prefetch_weight<L>(w, t);
+    const RowWeight<L, W, false> weight(w, t);
     ring_rows(
         pipe, t, n,
         [&](int64_t j, const bf16* (&src)[kPlanes]) {
@@ -155,7 +189,7 @@ struct ForwardRing {
           uint4 vh[L::kVPT], vr[L::kVPT];
           pipe.read(stage, 0, t, vh);
           if constexpr (kRes) pipe.read(stage, 1, t, vr);
-          forward_row<H, L, W, kRes>(a, b + j * grid, true, vh, vr, t, scratch, t / kWarpSize, 0);
+          forward_row<H, L, W, kRes>(a, b + j * grid, true, vh, vr, t, scratch, t / kWarpSize, 0, weight);
         });
   }
 

@@ -244,7 +244,7 @@ struct GenericBwdPair : GenericRow<kThreads_, kVecsPerThread> {
     const int64_t full = static_cast<int64_t>(sm) *
         blocks_per_sm(generic_bwd_main<GenericBwdPair>, kThreads, kMainSmem, 1);
     generic_bwd_main<GenericBwdPair>
-        <<<grid_capped(nch < full ? nch : full, a.grid_cap), kThreads, kMainSmem, st>>>(a, H);
+        <<<grid_capped(balanced_grid(nch, full), a.grid_cap), kThreads, kMainSmem, st>>>(a, H);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     generic_bwd_reduce<GenericBwdPair>
