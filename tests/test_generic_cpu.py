@@ -25,7 +25,7 @@ from cake_rmsnorm.registry import (GENERIC_HIDDEN, GENERIC_LABEL, Library, Libra
                                    build_registry, load_registry)
 from cake_rmsnorm.runtime import abi, device, loader
 
-from test_runtime_cpu import HEADER_DIR, _make_provider
+from test_runtime_cpu import HEADER_DIR, _make_provider, pretend_h200
 
 REG = load_registry()
 SM90 = REG.arch("sm_90a")
@@ -227,15 +227,7 @@ def generic_op(request, monkeypatch, tmp_path):
     libs = [lib for lib in REG.generic_libraries("sm_90a") if lib.weight_dtype == "fp32"]
     contents = {lib.name: _compile_generic_stub(tmp_path, lib) for lib in libs}
     _make_provider(tmp_path / "prov", libs, contents=contents)
-    monkeypatch.setenv(loader.ENV_PROVIDER_DIR, str(tmp_path / "prov"))
-    monkeypatch.setattr(loader, "ensure_cudart", lambda: None)
-    monkeypatch.setattr(device, "_query", lambda index: ("NVIDIA H200", (9, 0), 132))
-    monkeypatch.setattr(checks, "check_device", lambda *a: None)
-    monkeypatch.setattr(ops, "_on_device", lambda index, launch, *args: launch(*args, ops._stream(index)))
-    monkeypatch.setattr(ops, "_stream", lambda index: 0x5EED)
-    real_library = ops._library
-    monkeypatch.setattr(ops, "_library", lambda index, *args: real_library(max(index, 0), *args))
-    ops._tables.clear()
+    pretend_h200(monkeypatch, ops, checks, tmp_path / "prov")
     yield torch, ops
     ops._tables.clear()
     loader.clear_cache()

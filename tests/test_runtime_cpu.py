@@ -289,19 +289,45 @@ def stub_op(request, monkeypatch, tmp_path):
     libs = list({lib.name: lib for lib in libs}.values())
     contents = {lib.name: _compile_stub(tmp_path, lib) for lib in libs}
     _make_provider(tmp_path / "prov", libs, contents=contents)
-    monkeypatch.setenv(loader.ENV_PROVIDER_DIR, str(tmp_path / "prov"))
+    pretend_h200(monkeypatch, ops, checks, tmp_path / "prov")
+    return torch, ops
+
+
+def pretend_h200(monkeypatch, ops, checks, provider_dir) -> None:
+    """The op's host path on CPU tensors: a pretend H200 serving the stub libraries in
+    provider_dir, stream 0x5EED. CPU tensors' device index (-1) is taken as current, so the real
+    _on_device runs without switching, and as device 0 by the router."""
+    monkeypatch.setenv(loader.ENV_PROVIDER_DIR, str(provider_dir))
     monkeypatch.setattr(loader, "ensure_cudart", lambda: None)
     monkeypatch.setattr(device, "_query", lambda index: ("NVIDIA H200", (9, 0), 132))
     monkeypatch.setattr(checks, "check_device", lambda *a: None)
-    monkeypatch.setattr(ops, "_on_device", lambda index, launch, *args: launch(*args, ops._stream(index)))
+    monkeypatch.setattr(ops, "_current_device", lambda: -1)
     monkeypatch.setattr(ops, "_stream", lambda index: 0x5EED)
     real_library = ops._library
-
-    def library(index, *args):  # CPU tensors have device index -1
-        return real_library(0 if index is None or index < 0 else index, *args)
-    monkeypatch.setattr(ops, "_library", library)
+    monkeypatch.setattr(ops, "_library", lambda index, *args: real_library(max(index, 0), *args))
     ops._tables.clear()
-    return torch, ops
+
+
+def test_launch_switches_device_only_when_needed(monkeypatch):
+    """_on_device: no switch when the device is current; else switch, launch, and restore the
+    caller's device even when the launch raises."""
+    torch = pytest.importorskip("torch")
+    from cake_rmsnorm import ops
+    switched = []
+    monkeypatch.setattr(ops, "_current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", switched.append)
+    monkeypatch.setattr(ops, "_stream", lambda index: 100 + index)
+    calls = []
+    ops._on_device(0, lambda *a: calls.append(a), 7)
+    assert calls == [(7, 100)] and switched == []
+    ops._on_device(1, lambda *a: calls.append(a), 8)
+    assert calls[-1] == (8, 101) and switched == [1, 0]
+
+    def fail(*a):
+        raise LaunchError("boom")
+    with pytest.raises(LaunchError, match="boom"):
+        ops._on_device(2, fail)
+    assert switched == [1, 0, 2, 0]
 
 
 def _last(ops, kind: str):

@@ -79,7 +79,7 @@ __device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t ro
 
 // This thread's weight vectors: loaded after the row's reduction (kAhead false: L1/L2, no registers
 // held), or with x before it (kAhead true: 8 floats per vector held across the reduction, so a row
-// waits one memory round trip, not two: for grids of about one wave, where nothing else hides it).
+// waits one memory round trip, not two; the H200 tuner routes them wherever H >= 1536).
 template <class L, class W, bool kAhead>
 struct RowWeight {
   const W* w;
