@@ -3,6 +3,7 @@ torch.compile and Liger (where it imports), same inputs, same run.
 
 - kernel time: median CUDA-graph replay with L2 flushed; forward alone, and forward + backward
   captured whole (the backward is their difference, so autograd runs on the capturing stream);
+  every implementation on the same input tensors, their replays interleaved (timing.py);
 - effective bandwidth: forward 4·T·H bytes, backward 6·T·H (bf16 x, y / x, dy, dx), and its ratio to
   the device's copy bandwidth measured in the same run;
 - eager step: wall time of forward + backward without graphs (host overhead included);
@@ -24,28 +25,34 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import OURS, available  # noqa: E402
 from report import markdown, plots  # noqa: E402
-from timing import copy_bandwidth_gbs, eager_time_ms, graph_time_ms  # noqa: E402
+from timing import copy_bandwidth_gbs, eager_times_ms, graph_times_ms  # noqa: E402
 
 EPS = 1e-6
 
 
-def measure(name, impl, hidden, tokens, eager_reps):
+def measure_point(impls, hidden, tokens, eager_reps):
+    """Every implementation at (hidden, tokens) on the same input tensors, timed interleaved."""
     gen = torch.Generator(device="cuda").manual_seed(hidden + tokens)
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
     w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).requires_grad_()
     dy = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    fwds = {name: (lambda impl=impl: impl(x, w, EPS)) for name, impl in impls.items()}
+    steps = {name: (lambda impl=impl: torch.autograd.grad(impl(x, w, EPS), (x, w), dy))
+             for name, impl in impls.items()}
+    # small T: microsecond kernels, whose replays vary by a few tenths of a microsecond: more of them
+    reps = 60 if tokens <= 16384 else 20
     with torch.no_grad():
-        fwd_ms = graph_time_ms(lambda: impl(x, w, EPS))
-
-    def step():
-        torch.autograd.grad(impl(x, w, EPS), (x, w), dy)
-    step_ms = graph_time_ms(step)
-    eager_ms = eager_time_ms(step, reps=eager_reps)
-    bwd_ms = max(step_ms - fwd_ms, 1e-6)
+        fwd_ms = graph_times_ms(fwds, reps)
+    step_ms = graph_times_ms(steps, reps)
+    eager_ms = eager_times_ms(steps, reps=eager_reps)
     elems = tokens * hidden
-    return {"impl": name, "H": hidden, "T": tokens, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
-            "step_ms": step_ms, "eager_step_ms": eager_ms, "fwd_gbs": 4 * elems / fwd_ms / 1e6,
-            "bwd_gbs": 6 * elems / bwd_ms / 1e6}
+    rows = []
+    for name in impls:
+        bwd_ms = max(step_ms[name] - fwd_ms[name], 1e-6)
+        rows.append({"impl": name, "H": hidden, "T": tokens, "fwd_ms": fwd_ms[name],
+                     "bwd_ms": bwd_ms, "step_ms": step_ms[name], "eager_step_ms": eager_ms[name],
+                     "fwd_gbs": 4 * elems / fwd_ms[name] / 1e6, "bwd_gbs": 6 * elems / bwd_ms / 1e6})
+    return rows
 
 
 def main(argv=None) -> int:
@@ -60,24 +67,23 @@ def main(argv=None) -> int:
         print(f"left out {name}: {why}", flush=True)
     copy_gbs = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
-    rows = []
-    for hidden in map(int, args.widths.split(",")):
-        for tokens in map(int, args.tokens.split(",")):
-            for name, impl in impls.items():
-                row = measure(name, impl, hidden, tokens, eager_reps=50 if tokens <= 16384 else 5)
-                rows.append(row)
-                print(f"H {hidden} T {tokens} {name}: fwd {row['fwd_ms']:.4f} ms, bwd "
-                      f"{row['bwd_ms']:.4f} ms, eager step {row['eager_step_ms']:.4f} ms", flush=True)
-            torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbs": copy_gbs,
-           "left_out": missing, "rows": rows}
-    (out / "bench.json").write_text(json.dumps(doc, indent=1))
-    table = markdown(rows, copy_gbs, ours=[n for n in OURS if n in impls])
-    (out / "bench.md").write_text(table + "\n")
-    print(table)
-    for path in plots(rows, out):
+           "left_out": missing, "rows": []}
+    ours = [n for n in OURS if n in impls]
+    for hidden in map(int, args.widths.split(",")):
+        for tokens in map(int, args.tokens.split(",")):
+            for row in measure_point(impls, hidden, tokens, eager_reps=50 if tokens <= 16384 else 5):
+                doc["rows"].append(row)
+                print(f"H {hidden} T {tokens} {row['impl']}: fwd {row['fwd_ms']:.4f} ms, bwd "
+                      f"{row['bwd_ms']:.4f} ms, eager step {row['eager_step_ms']:.4f} ms", flush=True)
+            torch.cuda.empty_cache()
+        # after every width: a run cut short still leaves what it measured
+        (out / "bench.json").write_text(json.dumps(doc, indent=1))
+        (out / "bench.md").write_text(markdown(doc["rows"], copy_gbs, ours) + "\n")
+    print((out / "bench.md").read_text())
+    for path in plots(doc["rows"], out):
         print(f"wrote {path}")
     return 0
 

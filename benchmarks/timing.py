@@ -1,19 +1,24 @@
 """GPU timing: CUDA-graph replay with L2 flushed (kernel time), eager wall time (host included),
-and the device's copy bandwidth, all measured in the same run."""
+and the device's copy bandwidth, all measured in the same run.
+
+Implementations compared side by side are timed interleaved: each repetition replays (or calls) every
+one of them in turn, in an order that rotates, so clock, power and host-load drifts over the run land
+on all of them alike instead of on whichever ran at a bad moment; and their graphs are all captured
+before any is timed, so each times its kernels against the same allocator state.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable, Dict, Hashable
 
 import torch
 
 L2_FLUSH_BYTES = 256 << 20
 
 
-def graph_time_ms(fn, reps: int = 20) -> float:
-    """Median time of one call of fn, replayed as a CUDA graph after an L2 flush."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+def _capture(fn) -> torch.cuda.CUDAGraph:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -23,33 +28,58 @@ def graph_time_ms(fn, reps: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times)
+    return graph
 
 
-def eager_time_ms(fn, reps: int = 50, batches: int = 9) -> float:
-    """Wall time of one eager call of fn (host overhead included): the fastest of `batches` batches
-    of reps calls, per call. Host noise (other processes, clock changes) only ever adds time, so the
-    fastest batch is the steadiest figure; every implementation is measured the same way."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(reps):
+def _rotations(keys, reps: int):
+    """keys in turn, each repetition starting one further along."""
+    keys = list(keys)
+    for rep in range(reps):
+        k = rep % len(keys)
+        yield keys[k:] + keys[:k]
+
+
+def graph_times_ms(fns: Dict[Hashable, Callable], reps: int = 20) -> Dict[Hashable, float]:
+    """Median time of one call of each fn, replayed as a CUDA graph after an L2 flush, interleaved."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    graphs = {key: _capture(fn) for key, fn in fns.items()}
+    times: Dict[Hashable, list] = {key: [] for key in fns}
+    for order in _rotations(fns, reps):
+        for key in order:
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[key].replay()
+            end.record()
+            end.synchronize()
+            times[key].append(start.elapsed_time(end))
+    del graphs
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def graph_time_ms(fn, reps: int = 20) -> float:
+    """Median time of one call of fn, replayed as a CUDA graph after an L2 flush."""
+    return graph_times_ms({0: fn}, reps)[0]
+
+
+def eager_times_ms(fns: Dict[Hashable, Callable], reps: int = 50,
+                   batches: int = 9) -> Dict[Hashable, float]:
+    """Wall time of one eager call of each fn (host overhead included): the fastest of `batches`
+    batches of reps calls, per call, the implementations' batches interleaved. Host noise (other
+    processes, clock changes) only ever adds time, so the fastest batch is the steadiest figure."""
+    for fn in fns.values():
+        for _ in range(5):
             fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) * 1e3 / reps)
+    torch.cuda.synchronize()
+    best = {key: float("inf") for key in fns}
+    for order in _rotations(fns, batches):
+        for key in order:
+            fn = fns[key]
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+            best[key] = min(best[key], (time.perf_counter() - t0) * 1e3 / reps)
     return best
 
 

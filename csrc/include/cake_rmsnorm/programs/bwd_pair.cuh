@@ -141,7 +141,9 @@ struct BwdPair {
   static constexpr int kSplits = kDetSplits;  // reduce: chunk segments per column, combined in split order
   static constexpr int kReduceThreads = kSplits * kWarpSize;
   static constexpr int kReduceSmem = kSplits * kWarpSize * 8;  // a double or a TwoSum float pair
-  static constexpr int kMainSmem = kReduceScratchBytes + BwdPipe<L, kRes, kRingRows>::kBytes;
+  static constexpr int kPipeBytes = BwdPipe<L, kRes, kRingRows>::kBytes;
+  // scratch, the row ring, the staged weight
+  static constexpr int kMainSmem = kReduceScratchBytes + kPipeBytes + StagedWeight<L, W>::kBytes;
   static constexpr int kSmemBytes = cmax(kMainSmem, kReduceSmem);
   static constexpr int kBlocksPerSm = 1;  // fallback when the occupancy query fails
 
@@ -191,12 +193,12 @@ struct BwdPair {
       acc[i] = 0;
       comp[i] = 0.f;
     }
-    prefetch_weight<L>(w, t);  // small T: a block's few rows would otherwise wait for it after their loads
+    const StagedWeight<L, W> weight(w, dyn_smem() + kReduceScratchBytes + kPipeBytes, t);
     pipelined_rows<H, L, kRes, kRingRows>(
         a, ring, t, n, row_of,
         [&](int64_t, int64_t row, const uint4 (&vdy)[L::kVPT], const uint4 (&vx)[L::kVPT],
             const uint4 (&vres)[L::kVPT], bool has_res, float rstd) {
-          bwd_row_math<H, L, W, kRes>(vdy, vx, vres, has_res, w, rstd, dx + row * H, true, t, scratch,
+          bwd_row_math<H, L, kRes>(vdy, vx, vres, has_res, weight, rstd, dx + row * H, true, t, scratch,
                                       warp, 0, [&](int i, float p, float r) {
                                         if constexpr (kFp64) {
                                           dw_add_fp64(acc[i], p, r);

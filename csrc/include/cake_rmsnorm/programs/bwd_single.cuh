@@ -50,7 +50,9 @@ struct BwdSingle {
   static constexpr int kHidden = H;
   static constexpr bool kResidual = kRes;
   using WeightT = W;
-  static constexpr int kSmemBytes = kReduceScratchBytes + BwdPipe<L, kRes, kRingRows>::kBytes;
+  static constexpr int kPipeBytes = BwdPipe<L, kRes, kRingRows>::kBytes;
+  // scratch, the row ring, the staged weight
+  static constexpr int kSmemBytes = kReduceScratchBytes + kPipeBytes + StagedWeight<L, W>::kBytes;
   static constexpr size_t kCounterOffset = align256(sizeof(double) * H);
 
   static size_t workspace_bytes(int64_t /*T*/, int /*sm_count*/) { return kCounterOffset + 256; }
@@ -79,11 +81,12 @@ struct BwdSingle {
       tot[i] = 0.0;
     }
     int in_block = 0;
+    const StagedWeight<L, W> weight(w, dyn_smem() + kReduceScratchBytes + kPipeBytes, t);
     pipelined_rows<H, L, kRes, kRingRows>(
         a, ring, t, n, [&](int64_t j) { return r0 + j; },
         [&](int64_t, int64_t row, const uint4 (&vdy)[L::kVPT], const uint4 (&vx)[L::kVPT],
             const uint4 (&vres)[L::kVPT], bool has_res, float rstd) {
-          bwd_row_math<H, L, W, kRes>(vdy, vx, vres, has_res, w, rstd, dx + row * H, true, t, scratch,
+          bwd_row_math<H, L, kRes>(vdy, vx, vres, has_res, weight, rstd, dx + row * H, true, t, scratch,
                                       warp, 0, [&](int i, float p, float r) {
                                         if constexpr (kR == Reduction::kTwoSum) {
                                           dw_add_twosum(blk[i], comp[i], p, r);
