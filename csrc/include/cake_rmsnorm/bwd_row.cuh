@@ -45,7 +45,7 @@ __device__ __forceinline__ void dw_add_fp64(double& s, float p, float rstd) {
 // StagedWeight  from shared memory, copied there once per block. The forms that walk many rows
 //               (pair, single) take it: read through L1, the weight's 32-byte-strided loads missed
 //               about a third of the time and were about a third of the L2 traffic (ncu, H200: L2
-//               85-88% busy, DRAM 76-81%); staged, det's pair ran 2-8% faster (H200, T >= 16384).
+//               85-88% busy, DRAM 76-81%); staged, det's pair ran up to 8% faster (H200, T >= 16384).
 template <class L, class W>
 struct GlobalWeight {
   const W* __restrict__ w;
