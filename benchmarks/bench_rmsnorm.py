@@ -28,9 +28,12 @@ from report import markdown, plots  # noqa: E402
 from timing import copy_bandwidth_gbs, eager_times_ms, graph_times_ms  # noqa: E402
 
 EPS = 1e-6
+# Up to this T a point's kernels take microseconds and its eager steps fractions of a millisecond:
+# more graph replays (their times vary by tenths of a microsecond) and more eager calls per batch.
+SMALL_T = 16384
 
 
-def measure_point(impls, hidden, tokens, eager_reps):
+def measure_point(impls, hidden, tokens):
     """Every implementation at (hidden, tokens) on the same input tensors, timed interleaved."""
     gen = torch.Generator(device="cuda").manual_seed(hidden + tokens)
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
@@ -39,12 +42,12 @@ def measure_point(impls, hidden, tokens, eager_reps):
     fwds = {name: (lambda impl=impl: impl(x, w, EPS)) for name, impl in impls.items()}
     steps = {name: (lambda impl=impl: torch.autograd.grad(impl(x, w, EPS), (x, w), dy))
              for name, impl in impls.items()}
-    # small T: microsecond kernels, whose replays vary by a few tenths of a microsecond: more of them
-    reps = 60 if tokens <= 16384 else 20
+    small = tokens <= SMALL_T
+    reps = 60 if small else 20
     with torch.no_grad():
         fwd_ms = graph_times_ms(fwds, reps)
     step_ms = graph_times_ms(steps, reps)
-    eager_ms = eager_times_ms(steps, reps=eager_reps)
+    eager_ms = eager_times_ms(steps, reps=50 if small else 5)
     elems = tokens * hidden
     rows = []
     for name in impls:
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
     ours = [n for n in OURS if n in impls]
     for hidden in map(int, args.widths.split(",")):
         for tokens in map(int, args.tokens.split(",")):
-            for row in measure_point(impls, hidden, tokens, eager_reps=50 if tokens <= 16384 else 5):
+            for row in measure_point(impls, hidden, tokens):
                 doc["rows"].append(row)
                 print(f"H {hidden} T {tokens} {row['impl']}: fwd {row['fwd_ms']:.4f} ms, bwd "
                       f"{row['bwd_ms']:.4f} ms, eager step {row['eager_step_ms']:.4f} ms", flush=True)

@@ -3,8 +3,9 @@ and the device's copy bandwidth, all measured in the same run.
 
 Implementations compared side by side are timed interleaved: each repetition replays (or calls) every
 one of them in turn, in an order that rotates, so clock, power and host-load drifts over the run land
-on all of them alike instead of on whichever ran at a bad moment; and their graphs are all captured
-before any is timed, so each times its kernels against the same allocator state.
+on all of them alike instead of on whichever ran at a bad moment; their graphs are all captured
+before any is timed. (Timed one after another on the H200, identical forward kernels differed by up
+to 12% at T 262144; interleaved, by at most 1.2%.)
 """
 
 from __future__ import annotations

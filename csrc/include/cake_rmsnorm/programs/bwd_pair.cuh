@@ -103,26 +103,35 @@ __device__ __forceinline__ void combine_splits(W* dw, int H, float2* sm, int s, 
   __syncthreads();
 }
 
-// det's FP64 reduce, one block of kSplits warps over tiles of 32 columns (grid-stride): warp s
-// folds its segment of the chunk partials [nch][H] (doubles) in chunk order, then combine_splits.
-// H is a compile-time constant in the pair and a run-time one in the generic program.
-template <class W, int kSplits>
-__device__ __forceinline__ void reduce_fp64_partials(const cake_bwd_args_t& a, int H, int64_t nch) {
+// The reduce's walk, one block of kSplits warps over tiles of 32 columns (grid-stride): for each of
+// this thread's columns, fold(s, lane, col, c, c0, e1) sums chunks [c0, e1) of column c in chunk order
+// (warp s's segment; past H an empty segment at column 0, so its barriers still run) and combines.
+template <int kSplits, class Fold>
+__device__ __forceinline__ void for_each_reduce_column(int H, int64_t nch, Fold&& fold) {
   const int lane = threadIdx.x % kWarpSize;
   const int s = threadIdx.x / kWarpSize;
-  const double* part = static_cast<const double*>(a.workspace);
-  W* dw = static_cast<W*>(a.dw);
   int64_t c0, c1;
   chunk_segment<kSplits>(nch, s, c0, c1);
   const int tiles = ceil_div(H, kWarpSize);
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int col = tile * kWarpSize + lane;
-    const double* p = part + (col < H ? col : 0);
-    const int64_t e1 = col < H ? c1 : c0;  // past H: an empty segment, barriers only
-    double sum = 0.0;
-    fold_in_order<double>(c0, e1, [&](int64_t c) { return __ldg(p + c * H); }, [&](double v) { sum += v; });
-    combine_splits<W, kSplits>(dw, H, reinterpret_cast<double*>(dyn_smem()), s, lane, col, sum);
+    fold(s, lane, col, col < H ? col : 0, c0, col < H ? c1 : c0);
   }
+}
+
+// det's FP64 reduce: warp s folds its segment of the chunk partials [nch][H] (doubles) in chunk
+// order, then combine_splits. H is a compile-time constant in the pair and a run-time one in the
+// generic program.
+template <class W, int kSplits>
+__device__ __forceinline__ void reduce_fp64_partials(const cake_bwd_args_t& a, int H, int64_t nch) {
+  const double* part = static_cast<const double*>(a.workspace);
+  W* dw = static_cast<W*>(a.dw);
+  for_each_reduce_column<kSplits>(H, nch, [&](int s, int lane, int col, int c, int64_t c0, int64_t e1) {
+    const double* p = part + c;
+    double sum = 0.0;
+    fold_in_order<double>(c0, e1, [&](int64_t k) { return __ldg(p + k * H); }, [&](double v) { sum += v; });
+    combine_splits<W, kSplits>(dw, H, reinterpret_cast<double*>(dyn_smem()), s, lane, col, sum);
+  });
 }
 
 template <int H, class W, bool kRes, Reduction kR, int kChunkRows, int kRingRows = 3>
@@ -225,25 +234,18 @@ struct BwdPair {
     const int64_t nch = nchunks(a.T);
     if constexpr (kFp64) {
       reduce_fp64_partials<W, kSplits>(a, H, nch);
-    } else {
-      const int lane = threadIdx.x % kWarpSize;
-      const int s = threadIdx.x / kWarpSize;
+    } else {  // TwoSum: sums and compensations, two planes of floats
       const float* part = static_cast<const float*>(a.workspace);
-      int64_t c0, c1;
-      chunk_segment<kSplits>(nch, s, c0, c1);
-      constexpr int kTiles = ceil_div(H, kWarpSize);
-      for (int tile = blockIdx.x; tile < kTiles; tile += gridDim.x) {
-        const int col = tile * kWarpSize + lane;
-        const float* p = part + (col < H ? col : 0);
+      for_each_reduce_column<kSplits>(H, nch, [&](int s, int lane, int col, int c, int64_t c0, int64_t e1) {
+        const float* p = part + c;
         const float* q = p + nch * H;  // the compensation plane
-        const int64_t e1 = col < H ? c1 : c0;  // past H: an empty segment, barriers only
         float S = 0.f, C = 0.f;
         fold_in_order<float2>(
-            c0, e1, [&](int64_t c) { return make_float2(__ldg(p + c * H), __ldg(q + c * H)); },
+            c0, e1, [&](int64_t k) { return make_float2(__ldg(p + k * H), __ldg(q + k * H)); },
             [&](float2 v) { two_sum_add(S, C, v.x, v.y); });
-        combine_splits<W, kSplits>(static_cast<W*>(a.dw), H, reinterpret_cast<float2*>(dyn_smem()), s, lane,
-                                   col, make_float2(S, C));
-      }
+        combine_splits<W, kSplits>(static_cast<W*>(a.dw), H, reinterpret_cast<float2*>(dyn_smem()), s, lane, col,
+                                   make_float2(S, C));
+      });
     }
   }
 
