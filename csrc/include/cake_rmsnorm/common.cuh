@@ -222,6 +222,23 @@ inline cudaError_t launch_dependent(void (*kernel)(Args), int grid, int threads,
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, kernel, a);
 }
+// The launch of `grid` blocks (a multiple of `cluster`) in thread-block clusters of `cluster` (sm_90+);
+// attr: room for the configuration's one attribute.
+inline cudaLaunchConfig_t cluster_config(int grid, int threads, size_t smem, cudaStream_t st, int cluster,
+                                         cudaLaunchAttribute (&attr)[1]) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
 inline cudaError_t sm_count(int* out) {
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
