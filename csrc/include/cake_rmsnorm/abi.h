@@ -59,7 +59,8 @@ typedef struct {
  * workspace: at least cake_bwd_workspace_bytes(T, sm_count) bytes (generic libraries:
  * cake_bwd_workspace_bytes_h(T, H, sm_count)), 256-byte aligned; the library
  * initialises what it needs of it on the stream. grid_cap: 0 = the library's own grid,
- * else at most that many blocks per kernel (det's bits do not depend on it). */
+ * else at most that many blocks per kernel (det's bits do not depend on it; a program that runs in
+ * thread-block clusters rounds it down to whole clusters, one cluster at least). */
 typedef struct {
   const void* dy;
   const void* dresidual_out;
