@@ -1,5 +1,6 @@
 """The route tuner: on the GPU, time every candidate program of this arch per (width, T), keep those
-inside half the dw budget on the tuner's inputs, and write the fastest as the arch's route windows:
+whose dw worst on the tuner's input, grown to their window's end and doubled for other inputs,
+holds WORST_LIMIT of the budget (below), and write the fastest as the arch's route windows:
 a TOML file of [[override]] entries (window = "tuned", each with the measurement that chose it) for
 python/cake_rmsnorm/registry/data/tuned/, to be reviewed and committed.
 
@@ -108,7 +109,8 @@ def winners(rows, hidden, backend, direction, limits=None):
         d1 = backend == "det" and direction == "bwd" and tokens == 1 and hidden != 256
         pool = [r for r in rows if (not d1 or r["form"] == "column_task")
                 and r["H"] == hidden and r["T"] == tokens and r["direction"] == direction
-                and r["worst"] * growth * INPUT_MARGIN <= WORST_LIMIT and (backend == "fast" or r["deterministic"])
+                and r["worst"] * growth * INPUT_MARGIN <= WORST_LIMIT
+                and (backend == "fast" or r["deterministic"])
                 and (limits.get(r["program"]) is None or end <= limits[r["program"]])]
         if not pool:
             raise SystemExit(f"no candidate holds {WORST_LIMIT} of the budget (x{growth:.2f} for its "
@@ -184,7 +186,7 @@ def main(argv=None) -> int:
         if not docs or len({(d["arch"], d["device"]) for d in docs}) != 1:
             raise SystemExit("--from-json: give runs of one arch on one device")
         rows = [r for d in docs for r in d["rows"]]
-        # candidates measured then but dropped from the registry since cannot be routed
+        # a candidate measured then and dropped from the registry since cannot be routed any more
         known = load_registry().programs
         dropped = sorted({r["program"] for r in rows} - set(known))
         if dropped:

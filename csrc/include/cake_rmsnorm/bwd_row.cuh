@@ -19,6 +19,7 @@
 #include "cake_rmsnorm/abi.h"
 #include "cake_rmsnorm/common.cuh"
 #include "cake_rmsnorm/row_ring.cuh"
+#include "cake_rmsnorm/row_weight.cuh"
 
 namespace cake {
 
@@ -39,53 +40,6 @@ __device__ __forceinline__ void dw_add_twosum(float& s, float& c, float p, float
 __device__ __forceinline__ void dw_add_fp64(double& s, float p, float rstd) {
   s = __fma_rn(static_cast<double>(p), static_cast<double>(rstd), s);
 }
-
-// Where bwd_row_math reads this thread's weight vector k (8 floats), twice a row:
-// GlobalWeight  from global memory through L1 (a form that walks few rows: the column task);
-// StagedWeight  from shared memory, copied there once per block. The forms that walk many rows
-//               (pair, single) take it: read through L1, the weight's 32-byte-strided loads missed
-//               about a third of the time and were about a third of the L2 traffic (ncu, H200: L2
-//               85-88% busy, DRAM 76-81%); staged, det's pair ran up to 8% faster (H200, T >= 16384).
-template <class L, class W>
-struct GlobalWeight {
-  const W* __restrict__ w;
-  int t;
-  __device__ __forceinline__ void operator()(int k, float (&fw)[kVec]) const { ld_w8(w, L::vec(k, t), fw); }
-};
-template <class L, class W>
-struct StagedWeight {
-  // 16-byte pieces indexed by vector, one plane per piece (conflict-free reads): 2 planes of FP32
-  // weight, 1 of BF16; always the FP32 size (4 bytes per column), so the program's shared memory
-  // does not depend on the weight dtype.
-  static constexpr int kPieces = static_cast<int>(sizeof(W)) * kVec / 16;
-  static constexpr int kBytes = 2 * L::kNV * 16;
-  const uint4* s;
-  int t;
-  // cp.async, issued before the row ring's first copies: they join the ring's first group, which
-  // ring_rows waits for before row 0 (and before it returns), so no barrier and no stall here.
-  __device__ __forceinline__ StagedWeight(const W* w, unsigned char* smem, int t_)
-      : s(reinterpret_cast<const uint4*>(smem)), t(t_) {
-    uint4* d = reinterpret_cast<uint4*>(smem);
-#pragma unroll
-    for (int k = 0; k < L::kVPT; ++k) {
-      if (!L::valid(k, t)) continue;
-      const int v = L::vec(k, t);
-#pragma unroll
-      for (int p = 0; p < kPieces; ++p) cp_async16(d + p * L::kNV + v, reinterpret_cast<const uint4*>(w) + kPieces * v + p);
-    }
-  }
-  __device__ __forceinline__ void operator()(int k, float (&fw)[kVec]) const {
-    const int v = L::vec(k, t);
-    if constexpr (kPieces == 2) {
-      const uint4 a = s[v], b = s[L::kNV + v];
-      fw[0] = __uint_as_float(a.x); fw[1] = __uint_as_float(a.y); fw[2] = __uint_as_float(a.z);
-      fw[3] = __uint_as_float(a.w); fw[4] = __uint_as_float(b.x); fw[5] = __uint_as_float(b.y);
-      fw[6] = __uint_as_float(b.z); fw[7] = __uint_as_float(b.w);
-    } else {
-      unpack8(s[v], fw);
-    }
-  }
-};
 
 template <int H, class L, bool kRes, class Weight, class OnTerm>
 __device__ __forceinline__ void bwd_row_math(const uint4 (&vdy)[L::kVPT], const uint4 (&vx)[L::kVPT],

@@ -21,8 +21,8 @@
  * totals of the r-th slice of the columns (distributed shared memory) and atomicAdds those: kCluster
  * times fewer FP64 atomics. Every block adds into the same H addresses at about the same moment,
  * the end of the kernel, and same-address atomics serialize: on the H200 (528 blocks, H 1536,
- * T 1024) fast_single_f64_b2 took 63.6 us, in clusters of 8 22.6 us. At large T the clusters' block
- * placement costs streaming speed instead (T 524288: 1234 -> 1360 us); the tuner picks per window.
+ * T 1024) fast_single_f64_b2 took 63.6 us, in clusters of 8 22.6 us. At large T the clustered
+ * programs stream slower instead (T 524288: 1234 -> 1360 us); the tuner picks per window.
  * The order of the FP64 atomics is not fixed: dw is not bitwise reproducible (fast backend); dx is.
  * The library zeroes the workspace (memsetAsync on the stream) before the kernel.
  * workspace_bytes = align256(H * 8) + 256 (accumulator, then the counter), independent of T.
@@ -175,15 +175,16 @@ struct BwdSingle {
     cluster.sync();
   }
 
-  // Resident clusters on the device (queried once per process; a library serves one arch).
-  static int resident_clusters(int fallback) {
+  // Resident clusters on the device, at least one (queried once per process; a library serves one
+  // arch).
+  static int resident_clusters() {
     static const int n = [&] {
       cudaLaunchAttribute attr[1];
       const cudaLaunchConfig_t cfg = cluster_config(kCluster, kThreads, kSmemBytes, nullptr, kCluster, attr);
       int c = 0;
       if (cudaOccupancyMaxActiveClusters(&c, bwd_single_kernel<BwdSingle>, &cfg) != cudaSuccess || c < 1) {
         (void)cudaGetLastError();
-        c = fallback;
+        c = 1;
       }
       return c;
     }();
@@ -192,7 +193,7 @@ struct BwdSingle {
 
   static cudaError_t launch_clusters(const cake_bwd_args_t& a, int64_t want, cudaStream_t st) {
     // Whole clusters, all resident at once (the grid is persistent), at least one.
-    const int64_t fits = static_cast<int64_t>(resident_clusters(1)) * kCluster;
+    const int64_t fits = static_cast<int64_t>(resident_clusters()) * kCluster;
     if (want > fits) want = fits;
     if (a.grid_cap > 0 && want > a.grid_cap) want = a.grid_cap;
     const int grid = static_cast<int>(want / kCluster < 1 ? kCluster : want / kCluster * kCluster);

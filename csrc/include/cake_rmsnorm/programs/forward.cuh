@@ -20,9 +20,12 @@
 #ifndef CAKE_RMSNORM_PROGRAMS_FORWARD_CUH
 #define CAKE_RMSNORM_PROGRAMS_FORWARD_CUH
 
+#include <type_traits>
+
 #include "cake_rmsnorm/abi.h"
 #include "cake_rmsnorm/common.cuh"
 #include "cake_rmsnorm/row_ring.cuh"
+#include "cake_rmsnorm/row_weight.cuh"
 #include "cake_rmsnorm/smem_mode.cuh"
 
 namespace cake {
@@ -34,8 +37,8 @@ __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) forward_kernel(con
 
 // One row: vx (and vr) are this thread's vectors of x (and residual). Every thread of the block
 // calls it (group_sum's barriers); `active` = the row exists.
-// weight(k, fw) gives this thread's k-th weight vector as 8 floats (a load after the reduction, or
-// registers loaded with x: WeightAhead).
+// weight(k, fw): this thread's k-th weight vector as 8 floats (row_weight.cuh: GlobalWeight loads it
+// after the reduction, HeldWeight has it in registers, loaded with x).
 template <int H, class L, class W, bool kRes, class Weight>
 __device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t row, bool active,
                                             uint4 (&vh)[L::kVPT], const uint4 (&vr)[L::kVPT], int t,
@@ -77,32 +80,6 @@ __device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t ro
   }
 }
 
-// This thread's weight vectors: loaded after the row's reduction (kAhead false: L1/L2, no registers
-// held), or with x before it (kAhead true: 8 floats per vector held across the reduction, so a row
-// waits one memory round trip, not two; the H200 tuner routes them wherever H >= 1536).
-template <class L, class W, bool kAhead>
-struct RowWeight {
-  const W* w;
-  int t;
-  float f[kAhead ? L::kVPT : 1][kVec];
-  __device__ __forceinline__ RowWeight(const W* w_, int t_) : w(w_), t(t_) {
-    if constexpr (kAhead) {
-#pragma unroll
-      for (int k = 0; k < L::kVPT; ++k) {
-        if (L::valid(k, t)) ld_w8(w, L::vec(k, t), f[k]);
-      }
-    }
-  }
-  __device__ __forceinline__ void operator()(int k, float (&fw)[kVec]) const {
-    if constexpr (kAhead) {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) fw[e] = f[k][e];
-    } else {
-      ld_w8(w, L::vec(k, t), fw);
-    }
-  }
-};
-
 template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead>
 struct Forward {
   static_assert(kR == Reduction::kFp32, "forward: reduction must be fp32");
@@ -136,7 +113,8 @@ struct Forward {
       vh[k] = live ? ld_vec(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
       vr[k] = kRes && live ? ld_vec(r, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
     }
-    const RowWeight<L, W, kWeightAhead != 0> weight(w, t);
+    using Weight = typename std::conditional<kWeightAhead != 0, HeldWeight<L, W>, GlobalWeight<L, W>>::type;
+    const Weight weight{w, t};
     forward_row<H, L, W, kRes>(a, row, active, vh, vr, t, scratch, threadIdx.x / kWarpSize, g * L::kWarps,
                                weight);
   }
@@ -176,7 +154,7 @@ struct ForwardRing {
     const bf16* r = kRes ? static_cast<const bf16*>(a.residual) : nullptr;
     const W* w = static_cast<const W*>(a.weight);
     prefetch_weight<L>(w, t);
-    const RowWeight<L, W, false> weight(w, t);
+    const GlobalWeight<L, W> weight{w, t};
     ring_rows(
         pipe, t, n,
         [&](int64_t j, const bf16* (&src)[kPlanes]) {
