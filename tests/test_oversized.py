@@ -171,7 +171,7 @@ def test_fallback_above_the_optin_is_refused(scratch):
 kernel = "pair"
 reduction = "fp64_fold"
 deterministic = true
-params = { chunk_rows = 64, ring_rows = 3 }
+params = { chunk_rows = 64, ring_rows = 3, pull = 0 }
 smem = { fixed = 240000, per_h = 0 }
 """)
     edit("programs.toml", 'fallback = "det_pair_c64"', 'fallback = "big_pair"')

@@ -108,7 +108,7 @@ BAD_DATA = [
      'program = "fast_single_b2" }', "det may not run non-deterministic program"),
     ("forward table names a backward program", "routes.toml", '"fwd_rows4"', '"det_pair_c64"',
      "'det_pair_c64' is a bwd program"),
-    ("params not the kernel's", "programs.toml", "params = { chunk_rows = 64, ring_rows = 3 }",
+    ("params not the kernel's", "programs.toml", "params = { chunk_rows = 64, ring_rows = 3, pull = 0 }",
      "params = { rows = 64 }", "program 'det_pair_c64': params"),
     ("route past max_tokens", "routes.toml",
      '{ first = 1, last = 65536, program = "fast_single_b2" },\n  '

@@ -115,28 +115,33 @@ struct BwdPipe {
   static constexpr int kBytes = Pipe::kBytes;
 };
 
-// For j = 0..n-1 (n uniform over the block: every thread calls on_row equally often, as
-// group_sum's barriers need), on_row(j, row_of(j), vdy, vx, vres, has_res, rstd), with the next
-// rows in flight. ring: this group's BwdPipe<L, kRes, kRingRows>::kBytes of shared memory.
-template <int H, class L, bool kRes, int kRingRows = 3, class RowOf, class OnRow>
-__device__ __forceinline__ void pipelined_rows(const cake_bwd_args_t& a, uint4* ring, int t, int64_t n,
-                                               RowOf&& row_of, OnRow&& on_row) {
+// For j = 0, 1, ... while live(j) (uniform over the block: every thread calls on_row equally
+// often, as group_sum's barriers need), on_row(j, row_of(j), vdy, vx, vres, has_res, rstd), with the
+// next rows in flight; ahead(j) runs first in each step (before row j + 1's rstd is read), so a walk
+// can learn its next rows there. ring: this group's BwdPipe<L, kRes, kRingRows>::kBytes of shared
+// memory.
+template <int H, class L, bool kRes, int kRingRows = 3, class Live, class RowOf, class Ahead, class OnRow>
+__device__ __forceinline__ void pipelined_rows_while(const cake_bwd_args_t& a, uint4* ring, int t, Live&& live,
+                                                     RowOf&& row_of, Ahead&& ahead, OnRow&& on_row) {
   using Shape = BwdPipe<L, kRes, kRingRows>;
   const typename Shape::Pipe pipe{ring};
   const bf16* dy = static_cast<const bf16*>(a.dy);
   const bf16* x = static_cast<const bf16*>(a.x);
   const bf16* dres = kRes ? static_cast<const bf16*>(a.dresidual_out) : nullptr;
   const bool has_res = kRes && dres != nullptr;
-  float rstd = n > 0 ? __ldg(a.rstd + row_of(0)) : 0.f, next_rstd = 0.f;
-  ring_rows(
-      pipe, t, n,
+  float rstd = live(0) ? __ldg(a.rstd + row_of(0)) : 0.f, next_rstd = 0.f;
+  ring_rows_while(
+      pipe, t, live,
       [&](int64_t j, const bf16* (&src)[Shape::kPlanes]) {
         const int64_t off = row_of(j) * H;
         src[0] = dy + off;
         src[1] = x + off;
         if constexpr (Shape::kPlanes == 3) src[2] = has_res ? dres + off : nullptr;
       },
-      [&](int64_t j) { next_rstd = j + 1 < n ? __ldg(a.rstd + row_of(j + 1)) : 0.f; },
+      [&](int64_t j) {
+        ahead(j);
+        next_rstd = live(j + 1) ? __ldg(a.rstd + row_of(j + 1)) : 0.f;
+      },
       [&](int64_t j, int stage) {
         uint4 vdy[L::kVPT], vx[L::kVPT], vres[L::kVPT];
         pipe.read(stage, 0, t, vdy);
@@ -147,6 +152,61 @@ __device__ __forceinline__ void pipelined_rows(const cake_bwd_args_t& a, uint4* 
         on_row(j, row_of(j), vdy, vx, vres, has_res, rstd);
         rstd = next_rstd;
       });
+}
+
+// A walk over chunks of kC rows handed out at run time (pipelined_rows_while's live/row_of/ahead):
+// block b takes chunk b, then chunk b + grid, then whatever chunk a global counter hands it next
+// (2·grid + atomicAdd), so blocks on SMs that stream faster take more chunks and all blocks finish
+// within about one chunk of each other (with one fixed range per block, the H200's blocks of equal
+// work finished up to 20% apart). The next ticket is pulled a chunk ahead, so the atomic's round
+// trip overlaps a chunk's rows; tickets live in 4 shared slots every thread reads. The counter must
+// be zero at launch; a block past the last chunk walks no rows.
+template <int kC>
+struct PulledChunks {
+  static_assert(kC >= 4 && (kC & (kC - 1)) == 0, "pulled chunks: a power of two of at least 4 rows "
+                                                 "(a ticket is read up to kStages - 1 rows ahead)");
+  static constexpr int kSmemBytes = 4 * static_cast<int>(sizeof(long long));
+  long long* slot;                // shared: the tickets of chunks q & 3
+  unsigned long long* counter;    // global
+  int64_t T, nch, grid;
+  long long pending = 0;          // thread 0: the ticket of the chunk after the next
+
+  __device__ __forceinline__ PulledChunks(long long* s, unsigned long long* c, int64_t T_, int t)
+      : slot(s), counter(c), T(T_), nch((T_ + kC - 1) / kC), grid(gridDim.x) {
+    if (t == 0) {
+      slot[0] = blockIdx.x;
+      slot[1] = blockIdx.x + grid;
+      pending = pull();
+    }
+    __syncthreads();
+  }
+  __device__ __forceinline__ long long pull() const {
+    return 2 * grid + static_cast<long long>(atomicAdd(counter, 1ull));
+  }
+  __device__ __forceinline__ int64_t chunk(int64_t j) const { return slot[(j / kC) & 3]; }
+  __device__ __forceinline__ int64_t row(int64_t j) const { return chunk(j) * kC + j % kC; }
+  __device__ __forceinline__ bool live(int64_t j) const {
+    const int64_t c = chunk(j);
+    return c < nch && c * kC + j % kC < T;
+  }
+  // At the first row of chunk q >= 1: chunk q + 1's ticket into its slot (read from row
+  // (q+1)·kC - kStages + 1 on, after this barrier), and the next one pulled.
+  __device__ __forceinline__ void ahead(int64_t j, int t) {
+    if (j == 0 || j % kC != 0) return;
+    if (t == 0) {
+      slot[(j / kC + 1) & 3] = pending;
+      if (pending < nch) pending = pull();
+    }
+    __syncthreads();
+  }
+};
+
+// The rows j = 0..n-1 (n uniform over the block).
+template <int H, class L, bool kRes, int kRingRows = 3, class RowOf, class OnRow>
+__device__ __forceinline__ void pipelined_rows(const cake_bwd_args_t& a, uint4* ring, int t, int64_t n,
+                                               RowOf&& row_of, OnRow&& on_row) {
+  pipelined_rows_while<H, L, kRes, kRingRows>(
+      a, ring, t, [n](int64_t j) { return j < n; }, row_of, [](int64_t) {}, on_row);
 }
 
 }  // namespace cake

@@ -45,25 +45,27 @@ struct RowPipe {
   }
 };
 
-// For j = 0..n-1: before_wait(j) (scalar loads a row ahead), then, once row j's copies have landed,
-// on_row(j, stage) (read the planes with pipe.read(stage, plane, t, v)). sources(j, src) names the
-// kPlanes row pointers of row j < n (nullptr: that plane is not copied). n must be uniform over the
-// block when on_row holds barriers.
-template <class Pipe, class Sources, class BeforeWait, class OnRow>
-__device__ __forceinline__ void ring_rows(const Pipe& pipe, int t, int64_t n, Sources&& sources,
-                                          BeforeWait&& before_wait, OnRow&& on_row) {
+// For j = 0, 1, ... while live(j): before_wait(j) (scalar loads a row ahead), then, once row j's
+// copies have landed, on_row(j, stage) (read the planes with pipe.read(stage, plane, t, v)).
+// sources(j, src) names the kPlanes row pointers of a live row j (nullptr: that plane is not
+// copied). live(j) must be uniform over the block when on_row holds barriers, and known
+// kStages - 1 rows ahead (row j + kStages - 1 is issued before before_wait(j)).
+template <class Pipe, class Live, class Sources, class BeforeWait, class OnRow>
+__device__ __forceinline__ void ring_rows_while(const Pipe& pipe, int t, Live&& live, Sources&& sources,
+                                                BeforeWait&& before_wait, OnRow&& on_row) {
   constexpr int kStages = Pipe::kStageCount;
   auto issue = [&](int64_t j, int stage) {
     const bf16* src[Pipe::kPlaneCount] = {};
-    if (j < n) sources(j, src);
-    pipe.issue(stage, src, j < n, t);
+    const bool l = live(j);
+    if (l) sources(j, src);
+    pipe.issue(stage, src, l, t);
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) issue(s, s);
   int stage = 0;             // the stage row j sits in
   int fill = kStages - 1;    // the stage row j + kStages - 1 goes to
 #pragma unroll 1
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = 0; live(j); ++j) {
     issue(j + kStages - 1, fill);
     fill = fill + 1 == kStages ? 0 : fill + 1;
     before_wait(j);
@@ -72,6 +74,13 @@ __device__ __forceinline__ void ring_rows(const Pipe& pipe, int t, int64_t n, So
     stage = stage + 1 == kStages ? 0 : stage + 1;
   }
   cp_async_wait<0>();  // nothing of this sequence stays in flight into whatever the block does next
+}
+
+// The rows j = 0..n-1 (n uniform over the block when on_row holds barriers).
+template <class Pipe, class Sources, class BeforeWait, class OnRow>
+__device__ __forceinline__ void ring_rows(const Pipe& pipe, int t, int64_t n, Sources&& sources,
+                                          BeforeWait&& before_wait, OnRow&& on_row) {
+  ring_rows_while(pipe, t, [n](int64_t j) { return j < n; }, sources, before_wait, on_row);
 }
 
 }  // namespace cake

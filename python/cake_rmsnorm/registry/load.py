@@ -165,9 +165,9 @@ def generic_programs(programs: Mapping[str, Program], directions: Iterable[str],
     return out
 
 
-# Kernel parameters a fallback may differ in: how much is staged or kept in flight, never what is
-# summed in which order.
-STAGING_PARAMS = ("stage_bytes", "ring_rows")
+# Kernel parameters a fallback may differ in: how much is staged or kept in flight, and which block
+# takes which chunk (pull), never what is summed in which order.
+STAGING_PARAMS = ("stage_bytes", "ring_rows", "pull")
 
 
 def check_fallback(program: Program, programs: Mapping[str, Program], where: str) -> None:

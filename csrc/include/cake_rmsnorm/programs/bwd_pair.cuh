@@ -1,10 +1,13 @@
-/* det backward, pair form: cake::BwdPair<H, WeightT, kResidual, kReduction, kChunkRows, kRingRows>
+/* det backward, pair form: cake::BwdPair<H, WeightT, kResidual, kReduction, kChunkRows, kRingRows, kPull>
  * (reduction fp64_fold or twosum)
  *
  * Main kernel: the rows are cut into FIXED chunks of kChunkRows rows (chunk c = rows
  * [c*kChunkRows, ...)), independent of SM count and grid. One block = one row group (BwdLayout);
  * grid = balanced_grid(nchunks, resident blocks), capped by grid_cap; block b takes chunks b, b + grid, ... and walks
- * their rows as one sequence through the row pipeline (bwd_row.cuh: the next kRingRows rows' dy and
+ * their rows as one sequence through the row pipeline (kPull 1: grid = min(resident blocks, nchunks),
+ * and after chunks b and b + grid a block pulls its next chunk at run time, bwd_row.cuh
+ * PulledChunks, so blocks on faster SMs take more chunks; a chunk's rows and sums are the same
+ * whichever block takes it, so the bits are too). (bwd_row.cuh: the next kRingRows rows' dy and
  * x in flight in shared memory; more when few chunks mean few blocks). For each row, in row order, it computes dx and each thread adds the
  * row's dw terms of its own columns into registers, so every column of a chunk is summed by one
  * thread in row order, starting from zero at the chunk's first row:
@@ -19,7 +22,8 @@
  * inputs, not on SM count, grid_cap or timing. The column task (bwd_column_task.cuh) walks the same
  * chunks and segments with the same additions, so it gives the same bits as the pair of its reduction.
  * workspace_bytes = align256(nchunks * H * 8): one plane of doubles (fp64_fold) or two of floats
- * (twosum), nchunks = ceil(T / kChunkRows).
+ * (twosum), nchunks = ceil(T / kChunkRows); kPull 1: then 256 bytes for the chunk counter (zeroed by
+ * the library before the main kernel).
  */
 #ifndef CAKE_RMSNORM_PROGRAMS_BWD_PAIR_CUH
 #define CAKE_RMSNORM_PROGRAMS_BWD_PAIR_CUH
@@ -134,7 +138,7 @@ __device__ __forceinline__ void reduce_fp64_partials(const cake_bwd_args_t& a, i
   });
 }
 
-template <int H, class W, bool kRes, Reduction kR, int kChunkRows, int kRingRows = 3>
+template <int H, class W, bool kRes, Reduction kR, int kChunkRows, int kRingRows = 3, int kPull = 0>
 struct BwdPair {
   static_assert(kChunkRows >= 1, "chunk_rows must be positive");
   static_assert(kR == Reduction::kFp64Fold || kR == Reduction::kTwoSum,
@@ -151,16 +155,20 @@ struct BwdPair {
   static constexpr int kReduceThreads = kSplits * kWarpSize;
   static constexpr int kReduceSmem = kSplits * kWarpSize * 8;  // a double or a TwoSum float pair
   static constexpr int kPipeBytes = BwdPipe<L, kRes, kRingRows>::kBytes;
-  // scratch, the row ring, the staged weight
-  static constexpr int kMainSmem = kReduceScratchBytes + kPipeBytes + StagedWeight<L, W>::kBytes;
+  static_assert(kPull == 0 || kPull == 1, "pair: pull must be 0 or 1");
+  using Chunks = PulledChunks<kPull ? kChunkRows : 4>;
+  // scratch, the row ring, the staged weight, the pulled chunks' tickets
+  static constexpr int kTicketOffset = kReduceScratchBytes + kPipeBytes + StagedWeight<L, W>::kBytes;
+  static constexpr int kMainSmem = kTicketOffset + (kPull ? Chunks::kSmemBytes : 0);
   static constexpr int kSmemBytes = cmax(kMainSmem, kReduceSmem);
   static constexpr int kBlocksPerSm = 1;  // fallback when the occupancy query fails
 
   __host__ __device__ static int64_t nchunks(int64_t T) { return (T + kChunkRows - 1) / kChunkRows; }
   static constexpr int kPlanes = kFp64 ? 1 : 2;
-  static size_t workspace_bytes(int64_t T, int /*sm_count*/) {
+  __host__ __device__ static size_t partials_bytes(int64_t T) {
     return align256(static_cast<size_t>(kPlanes) * nchunks(T) * H * sizeof(Part));
   }
+  static size_t workspace_bytes(int64_t T, int /*sm_count*/) { return partials_bytes(T) + (kPull ? 256 : 0); }
 
   // This thread's columns of one chunk row, 16-byte stores.
   static __device__ __forceinline__ void store_chunk(Part* out, const Part (&v)[L::kCols], int t) {
@@ -187,14 +195,6 @@ struct BwdPair {
     bf16* dx = static_cast<bf16*>(a.dx);
     Part* part = static_cast<Part*>(a.workspace);
     const int64_t nch = nchunks(a.T);
-    const int64_t b = blockIdx.x, grid = gridDim.x;
-    // This block's rows: chunks b, b + grid, ... back to back; only the very last chunk is short.
-    const int64_t nb = b < nch ? (nch - b + grid - 1) / grid : 0;
-    const int64_t last = b + (nb - 1) * grid;
-    const int64_t n = nb > 0 ? (nb - 1) * kChunkRows + (a.T - last * kChunkRows < kChunkRows
-                                                          ? a.T - last * kChunkRows : kChunkRows)
-                             : 0;
-    auto row_of = [&](int64_t j) { return (b + (j / kChunkRows) * grid) * kChunkRows + j % kChunkRows; };
     Part acc[L::kCols];
     float comp[L::kCols];  // twosum: the compensations
 #pragma unroll
@@ -203,9 +203,7 @@ struct BwdPair {
       comp[i] = 0.f;
     }
     const StagedWeight<L, W> weight(w, dyn_smem() + kReduceScratchBytes + kPipeBytes, t);
-    pipelined_rows<H, L, kRes, kRingRows>(
-        a, ring, t, n, row_of,
-        [&](int64_t, int64_t row, const uint4 (&vdy)[L::kVPT], const uint4 (&vx)[L::kVPT],
+    auto on_row = [&](int64_t, int64_t row, const uint4 (&vdy)[L::kVPT], const uint4 (&vx)[L::kVPT],
             const uint4 (&vres)[L::kVPT], bool has_res, float rstd) {
           bwd_row_math<H, L, kRes>(vdy, vx, vres, has_res, weight, rstd, dx + row * H, true, t, scratch,
                                       warp, 0, [&](int i, float p, float r) {
@@ -225,7 +223,26 @@ struct BwdPair {
               comp[i] = 0.f;
             }
           }
-        });
+        };
+    if constexpr (kPull) {
+      Chunks chunks(reinterpret_cast<long long*>(dyn_smem() + kTicketOffset),
+                    reinterpret_cast<unsigned long long*>(static_cast<char*>(a.workspace) + partials_bytes(a.T)),
+                    a.T, t);
+      pipelined_rows_while<H, L, kRes, kRingRows>(
+          a, ring, t, [&](int64_t j) { return chunks.live(j); }, [&](int64_t j) { return chunks.row(j); },
+          [&](int64_t j) { chunks.ahead(j, t); }, on_row);
+    } else {
+      const int64_t b = blockIdx.x, grid = gridDim.x;
+      // This block's rows: chunks b, b + grid, ... back to back; only the very last chunk is short.
+      const int64_t nb = b < nch ? (nch - b + grid - 1) / grid : 0;
+      const int64_t last = b + (nb - 1) * grid;
+      const int64_t n = nb > 0 ? (nb - 1) * kChunkRows + (a.T - last * kChunkRows < kChunkRows
+                                                            ? a.T - last * kChunkRows : kChunkRows)
+                               : 0;
+      pipelined_rows<H, L, kRes, kRingRows>(
+          a, ring, t, n, [&](int64_t j) { return (b + (j / kChunkRows) * grid) * kChunkRows + j % kChunkRows; },
+          on_row);
+    }
     pdl_allow_dependents();  // this block's partials are stored: the reduce may be scheduled
   }
 
@@ -259,7 +276,12 @@ struct BwdPair {
     const int64_t nch = nchunks(a.T);
     const int64_t full = static_cast<int64_t>(sm) *
         blocks_per_sm(bwd_pair_kernel<BwdPair>, kThreads, kMainSmem, kBlocksPerSm);
-    bwd_pair_kernel<BwdPair><<<grid_capped(balanced_grid(nch, full), a.grid_cap), kThreads, kMainSmem, st>>>(a);
+    if constexpr (kPull) {
+      e = cudaMemsetAsync(static_cast<char*>(a.workspace) + partials_bytes(a.T), 0, 256, st);
+      if (e != cudaSuccess) return e;
+    }
+    const int64_t grid = kPull ? (full < nch ? full : nch) : balanced_grid(nch, full);
+    bwd_pair_kernel<BwdPair><<<grid_capped(grid, a.grid_cap), kThreads, kMainSmem, st>>>(a);
     return cudaGetLastError();
   }
 

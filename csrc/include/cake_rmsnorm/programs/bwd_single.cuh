@@ -1,10 +1,13 @@
 /* fast backward, single form:
- *   cake::BwdSingle<H, WeightT, kResidual, kReduction, kBlocksPerSm, kBlockRows, kRingRows, kCluster>
+ *   cake::BwdSingle<H, WeightT, kResidual, kReduction, kBlocksPerSm, kBlockRows, kRingRows, kCluster,
+ *                   kReplicas, kChunkRows>
  *
  * One kernel; a block is one row group (BwdLayout). grid = min(sm_count * groups per SM, grid_cap, T)
  * with groups per SM = min(blocks_per_sm * max(1, 256 / threads per row), resident blocks) (kCluster
- * > 1: rounded down to whole clusters, at least one, no more than are resident at once); block
- * b takes the contiguous rows [b*per, (b+1)*per), per = ceil(T / grid), through the row pipeline
+ * > 1: rounded down to whole clusters, at least one, no more than are resident at once). kChunkRows
+ * 0: block b takes the contiguous rows [b*per, (b+1)*per), per = ceil(T / grid); kChunkRows > 0:
+ * chunks of kChunkRows rows pulled at run time (bwd_row.cuh PulledChunks; grid <= chunks), so
+ * faster SMs take more rows. Either way the rows go through the row pipeline
  * (bwd_row.cuh: the next kRingRows rows' dy and x in flight in shared memory). For each row it computes dx
  * (bwd_row_math, the same code as det) and adds the dw terms of its columns into per-thread sums,
  * in the form kReduction names:
@@ -13,19 +16,26 @@
  *                 sum has more than kBlockRows terms (long ranges stay inside the budget);
  *   twosum        an FP32 TwoSum pair (sum + compensation, the product's TwoProduct error too);
  *   fp64_fold     an FP64 sum of the exact products (dy·x)·rstd (dw_add_fp64, as det's pair).
- * kBlockRows > 0 exactly for blocked_fp32. Each group then atomicAdd(double)s its totals into the
- * workspace FP64 accumulator [H]; after a __threadfence the block bumps an atomic counter and the
- * last block to arrive converts the accumulator into dw (weight dtype, rounded once).
+ * kBlockRows > 0 exactly for blocked_fp32. Each group then atomicAdd(double)s its totals into one of
+ * kReplicas FP64 accumulators [kReplicas][H] in the workspace (block b, or cluster b, into replica
+ * b % kReplicas); after a __threadfence the block bumps an atomic counter and the last block to
+ * arrive adds the replicas of each column in replica order (FP64) and converts the sum into dw
+ * (weight dtype, rounded once).
+ * Same-address atomics serialize: with one accumulator each column's additions are a chain as long
+ * as the grid (528 at H 1536-2048 on the H200), and the chains, not the bytes, set the kernel's
+ * constant cost; kReplicas accumulators cut each chain kReplicas times.
  * kCluster > 1: the blocks run in thread-block clusters of kCluster (sm_90+); each block leaves its
  * totals in its shared memory (the drained row ring), and block r of a cluster adds the cluster's
  * totals of the r-th slice of the columns (distributed shared memory) and atomicAdds those: kCluster
  * times fewer FP64 atomics. Every block adds into the same H addresses at about the same moment,
  * the end of the kernel, and same-address atomics serialize: on the H200 (528 blocks, H 1536,
- * T 1024) fast_single_f64_b2 took 63.6 us, in clusters of 8 22.6 us. At large T the clustered
- * programs stream slower instead (T 524288: 1234 -> 1360 us); the tuner picks per window.
+ * T 1024) fast_single_f64_b2 took 63.6 us, in clusters of 8 22.6 us. With fixed row ranges the
+ * clustered programs streamed slower at large T (T 524288: 1234 -> 1360 us): blocks of equal work
+ * finish up to 20% apart, and a cluster waits for its slowest block; with pulled chunks they
+ * stream as fast as the plain programs. The tuner picks per window.
  * The order of the FP64 atomics is not fixed: dw is not bitwise reproducible (fast backend); dx is.
  * The library zeroes the workspace (memsetAsync on the stream) before the kernel.
- * workspace_bytes = align256(H * 8) + 256 (accumulator, then the counter), independent of T.
+ * workspace_bytes = align256(kReplicas * H * 8) + 256 (accumulators, then the counter), independent of T.
  */
 #ifndef CAKE_RMSNORM_PROGRAMS_BWD_SINGLE_CUH
 #define CAKE_RMSNORM_PROGRAMS_BWD_SINGLE_CUH
@@ -45,10 +55,11 @@ __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) bwd_single_kernel(
 }
 
 template <int H, class W, bool kRes, Reduction kR, int kBlocksPerSm, int kBlockRows, int kRingRows,
-          int kCluster = 1>
+          int kCluster = 1, int kReplicas = 1, int kChunkRows = 0>
 struct BwdSingle {
   static_assert(kBlocksPerSm >= 1, "blocks_per_sm must be positive");
   static_assert(kCluster >= 1 && kCluster <= 8, "single: cluster must be 1..8 (the portable cluster sizes)");
+  static_assert(kReplicas >= 1 && kReplicas <= 64, "single: replicas must be 1..64");
   static_assert(kR == Reduction::kFp32 || kR == Reduction::kBlockedFp32 || kR == Reduction::kTwoSum ||
                     kR == Reduction::kFp64Fold,
                 "single: reduction must be fp32, blocked_fp32, twosum or fp64_fold");
@@ -63,9 +74,13 @@ struct BwdSingle {
   static constexpr bool kResidual = kRes;
   using WeightT = W;
   static constexpr int kPipeBytes = BwdPipe<L, kRes, kRingRows>::kBytes;
-  // scratch, the row ring, the staged weight
-  static constexpr int kSmemBytes = kReduceScratchBytes + kPipeBytes + StagedWeight<L, W>::kBytes;
-  static constexpr size_t kCounterOffset = align256(sizeof(double) * H);
+  static constexpr bool kPulled = kChunkRows > 0;
+  using Chunks = PulledChunks<kPulled ? kChunkRows : 4>;
+  // scratch, the row ring, the staged weight, the pulled chunks' tickets
+  static constexpr int kTicketOffset = kReduceScratchBytes + kPipeBytes + StagedWeight<L, W>::kBytes;
+  static constexpr int kSmemBytes = kTicketOffset + (kPulled ? Chunks::kSmemBytes : 0);
+  static constexpr size_t kCounterOffset = align256(sizeof(double) * H * kReplicas);
+  static constexpr size_t kTicketCounterOffset = kCounterOffset + 128;
   static_assert(kCluster == 1 || kPipeBytes >= static_cast<int>(sizeof(double)) * H,
                 "single: the cluster's totals live in the drained row ring");
 
@@ -78,13 +93,9 @@ struct BwdSingle {
     const int warp = t / kWarpSize;
     const W* w = static_cast<const W*>(a.weight);
     bf16* dx = static_cast<bf16*>(a.dx);
-    double* acc = static_cast<double*>(a.workspace);
+    double* const acc0 = static_cast<double*>(a.workspace);
+    double* acc = acc0 + static_cast<int64_t>((blockIdx.x / kCluster) % kReplicas) * H;  // this block's replica
     unsigned* counter = reinterpret_cast<unsigned*>(static_cast<char*>(a.workspace) + kCounterOffset);
-
-    const int64_t per = (a.T + gridDim.x - 1) / gridDim.x;
-    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * per;
-    const int64_t r1 = r0 + per < a.T ? r0 + per : a.T;
-    const int64_t n = r1 > r0 ? r1 - r0 : 0;
 
     float blk[L::kCols];   // FP32 sums (the current block's, for blocked_fp32)
     float comp[L::kCols];  // twosum: compensation
@@ -96,9 +107,7 @@ struct BwdSingle {
     }
     int in_block = 0;
     const StagedWeight<L, W> weight(w, dyn_smem() + kReduceScratchBytes + kPipeBytes, t);
-    pipelined_rows<H, L, kRes, kRingRows>(
-        a, ring, t, n, [&](int64_t j) { return r0 + j; },
-        [&](int64_t, int64_t row, const uint4 (&vdy)[L::kVPT], const uint4 (&vx)[L::kVPT],
+    auto on_row = [&](int64_t, int64_t row, const uint4 (&vdy)[L::kVPT], const uint4 (&vx)[L::kVPT],
             const uint4 (&vres)[L::kVPT], bool has_res, float rstd) {
           bwd_row_math<H, L, kRes>(vdy, vx, vres, has_res, weight, rstd, dx + row * H, true, t, scratch,
                                       warp, 0, [&](int i, float p, float r) {
@@ -120,13 +129,30 @@ struct BwdSingle {
               }
             }
           }
-        });
+        };
+    bool any;  // this block has rows
+    if constexpr (kPulled) {
+      Chunks chunks(reinterpret_cast<long long*>(dyn_smem() + kTicketOffset),
+                    reinterpret_cast<unsigned long long*>(static_cast<char*>(a.workspace) + kTicketCounterOffset),
+                    a.T, t);
+      any = chunks.live(0);
+      pipelined_rows_while<H, L, kRes, kRingRows>(
+          a, ring, t, [&](int64_t j) { return chunks.live(j); }, [&](int64_t j) { return chunks.row(j); },
+          [&](int64_t j) { chunks.ahead(j, t); }, on_row);
+    } else {
+      const int64_t per = (a.T + gridDim.x - 1) / gridDim.x;
+      const int64_t r0 = static_cast<int64_t>(blockIdx.x) * per;
+      const int64_t r1 = r0 + per < a.T ? r0 + per : a.T;
+      const int64_t n = r1 > r0 ? r1 - r0 : 0;
+      any = n > 0;
+      pipelined_rows<H, L, kRes, kRingRows>(a, ring, t, n, [&](int64_t j) { return r0 + j; }, on_row);
+    }
     auto total = [&](int i) {
-      return n > 0 ? tot[i] + static_cast<double>(blk[i]) + static_cast<double>(comp[i]) : 0.0;
+      return any ? tot[i] + static_cast<double>(blk[i]) + static_cast<double>(comp[i]) : 0.0;
     };
     if constexpr (kCluster > 1) {
       cluster_add(acc, reinterpret_cast<double*>(dyn_smem() + kReduceScratchBytes), t, total);
-    } else if (n > 0) {
+    } else if (any) {
 #pragma unroll
       for (int k = 0; k < L::kVPT; ++k) {
         if (!L::valid(k, t)) continue;
@@ -141,7 +167,15 @@ struct BwdSingle {
     __syncthreads();
     if (*last) {
       __threadfence();
-      for (int j = threadIdx.x; j < H; j += kThreads) st_dw(static_cast<W*>(a.dw), j, __ldcg(acc + j));
+      for (int j = threadIdx.x; j < H; j += kThreads) {
+        double v[kReplicas];
+#pragma unroll
+        for (int q = 0; q < kReplicas; ++q) v[q] = __ldcg(acc0 + q * H + j);  // all in flight at once
+        double sum = v[0];
+#pragma unroll
+        for (int q = 1; q < kReplicas; ++q) sum += v[q];
+        st_dw(static_cast<W*>(a.dw), j, sum);
+      }
     }
   }
 
@@ -215,8 +249,10 @@ struct BwdSingle {
     const int resident = blocks_per_sm(bwd_single_kernel<BwdSingle>, kThreads, kSmemBytes, 1);
     const int64_t per_sm = kGroupsPerSm < resident ? kGroupsPerSm : resident;
     const int64_t want = static_cast<int64_t>(sm) * per_sm;
-    if constexpr (kCluster > 1) return launch_clusters(a, want < a.T ? want : a.T, st);
-    bwd_single_kernel<BwdSingle><<<grid_capped(want < a.T ? want : a.T, a.grid_cap), kThreads, kSmemBytes, st>>>(a);
+    // at most one block per row, or per chunk when the chunks are pulled (each block starts on its own)
+    const int64_t units = kPulled ? (a.T + kChunkRows - 1) / kChunkRows : a.T;
+    if constexpr (kCluster > 1) return launch_clusters(a, want < units ? want : units, st);
+    bwd_single_kernel<BwdSingle><<<grid_capped(want < units ? want : units, a.grid_cap), kThreads, kSmemBytes, st>>>(a);
     return cudaSuccess;
   }
 };
