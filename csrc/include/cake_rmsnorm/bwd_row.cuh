@@ -161,12 +161,12 @@ __device__ __forceinline__ void pipelined_rows_while(const cake_bwd_args_t& a, u
 // work finished up to 20% apart). The next ticket is pulled a chunk ahead, so the atomic's round
 // trip overlaps a chunk's rows; tickets live in 4 shared slots every thread reads. The counter must
 // be zero at launch; a block past the last chunk walks no rows.
+constexpr int kTicketBytes = 4 * static_cast<int>(sizeof(long long));  // shared memory of the tickets
 template <int kC>
 struct PulledChunks {
   static_assert(kC >= 4 && (kC & (kC - 1)) == 0, "pulled chunks: a power of two of at least 4 rows "
                                                  "(a ticket is read up to kStages - 1 rows ahead)");
-  static constexpr int kSmemBytes = 4 * static_cast<int>(sizeof(long long));
-  long long* slot;                // shared: the tickets of chunks q & 3
+  long long* slot;                // shared (kTicketBytes): the tickets of chunks q & 3
   unsigned long long* counter;    // global
   int64_t T, nch, grid;
   long long pending = 0;          // thread 0: the ticket of the chunk after the next
@@ -200,6 +200,19 @@ struct PulledChunks {
     __syncthreads();
   }
 };
+
+// pipelined_rows over chunks of kC rows pulled at run time: tickets = kTicketBytes of shared memory,
+// counter = 8 bytes of global memory, zero at launch. Returns whether this block had rows.
+template <int H, class L, bool kRes, int kRingRows, int kC, class OnRow>
+__device__ __forceinline__ bool pulled_rows(const cake_bwd_args_t& a, uint4* ring, int t, void* tickets,
+                                            void* counter, OnRow&& on_row) {
+  PulledChunks<kC> chunks(static_cast<long long*>(tickets), static_cast<unsigned long long*>(counter), a.T, t);
+  const bool any = chunks.live(0);
+  pipelined_rows_while<H, L, kRes, kRingRows>(
+      a, ring, t, [&](int64_t j) { return chunks.live(j); }, [&](int64_t j) { return chunks.row(j); },
+      [&](int64_t j) { chunks.ahead(j, t); }, on_row);
+  return any;
+}
 
 // The rows j = 0..n-1 (n uniform over the block).
 template <int H, class L, bool kRes, int kRingRows = 3, class RowOf, class OnRow>

@@ -156,10 +156,9 @@ struct BwdPair {
   static constexpr int kReduceSmem = kSplits * kWarpSize * 8;  // a double or a TwoSum float pair
   static constexpr int kPipeBytes = BwdPipe<L, kRes, kRingRows>::kBytes;
   static_assert(kPull == 0 || kPull == 1, "pair: pull must be 0 or 1");
-  using Chunks = PulledChunks<kPull ? kChunkRows : 4>;
   // scratch, the row ring, the staged weight, the pulled chunks' tickets
   static constexpr int kTicketOffset = kReduceScratchBytes + kPipeBytes + StagedWeight<L, W>::kBytes;
-  static constexpr int kMainSmem = kTicketOffset + (kPull ? Chunks::kSmemBytes : 0);
+  static constexpr int kMainSmem = kTicketOffset + (kPull ? kTicketBytes : 0);
   static constexpr int kSmemBytes = cmax(kMainSmem, kReduceSmem);
   static constexpr int kBlocksPerSm = 1;  // fallback when the occupancy query fails
 
@@ -225,12 +224,8 @@ struct BwdPair {
           }
         };
     if constexpr (kPull) {
-      Chunks chunks(reinterpret_cast<long long*>(dyn_smem() + kTicketOffset),
-                    reinterpret_cast<unsigned long long*>(static_cast<char*>(a.workspace) + partials_bytes(a.T)),
-                    a.T, t);
-      pipelined_rows_while<H, L, kRes, kRingRows>(
-          a, ring, t, [&](int64_t j) { return chunks.live(j); }, [&](int64_t j) { return chunks.row(j); },
-          [&](int64_t j) { chunks.ahead(j, t); }, on_row);
+      pulled_rows<H, L, kRes, kRingRows, kChunkRows>(a, ring, t, dyn_smem() + kTicketOffset,
+                                                     static_cast<char*>(a.workspace) + partials_bytes(a.T), on_row);
     } else {
       const int64_t b = blockIdx.x, grid = gridDim.x;
       // This block's rows: chunks b, b + grid, ... back to back; only the very last chunk is short.

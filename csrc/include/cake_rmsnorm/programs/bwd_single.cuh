@@ -75,10 +75,9 @@ struct BwdSingle {
   using WeightT = W;
   static constexpr int kPipeBytes = BwdPipe<L, kRes, kRingRows>::kBytes;
   static constexpr bool kPulled = kChunkRows > 0;
-  using Chunks = PulledChunks<kPulled ? kChunkRows : 4>;
   // scratch, the row ring, the staged weight, the pulled chunks' tickets
   static constexpr int kTicketOffset = kReduceScratchBytes + kPipeBytes + StagedWeight<L, W>::kBytes;
-  static constexpr int kSmemBytes = kTicketOffset + (kPulled ? Chunks::kSmemBytes : 0);
+  static constexpr int kSmemBytes = kTicketOffset + (kPulled ? kTicketBytes : 0);
   static constexpr size_t kCounterOffset = align256(sizeof(double) * H * kReplicas);
   static constexpr size_t kTicketCounterOffset = kCounterOffset + 128;
   static_assert(kCluster == 1 || kPipeBytes >= static_cast<int>(sizeof(double)) * H,
@@ -132,13 +131,8 @@ struct BwdSingle {
         };
     bool any;  // this block has rows
     if constexpr (kPulled) {
-      Chunks chunks(reinterpret_cast<long long*>(dyn_smem() + kTicketOffset),
-                    reinterpret_cast<unsigned long long*>(static_cast<char*>(a.workspace) + kTicketCounterOffset),
-                    a.T, t);
-      any = chunks.live(0);
-      pipelined_rows_while<H, L, kRes, kRingRows>(
-          a, ring, t, [&](int64_t j) { return chunks.live(j); }, [&](int64_t j) { return chunks.row(j); },
-          [&](int64_t j) { chunks.ahead(j, t); }, on_row);
+      any = pulled_rows<H, L, kRes, kRingRows, kChunkRows>(
+          a, ring, t, dyn_smem() + kTicketOffset, static_cast<char*>(a.workspace) + kTicketCounterOffset, on_row);
     } else {
       const int64_t per = (a.T + gridDim.x - 1) / gridDim.x;
       const int64_t r0 = static_cast<int64_t>(blockIdx.x) * per;
