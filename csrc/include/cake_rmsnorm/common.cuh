@@ -177,6 +177,19 @@ __device__ __forceinline__ float group_sum(float v, float* scratch, int warp, in
   }
 }
 
+// load(0) + load(1) + ... + load(N - 1) in FP64, in index order, every load issued before the first
+// addition.
+template <int N, class Load>
+__device__ __forceinline__ double sum_in_order(Load&& load) {
+  double v[N];
+#pragma unroll
+  for (int q = 0; q < N; ++q) v[q] = load(q);
+  double sum = v[0];
+#pragma unroll
+  for (int q = 1; q < N; ++q) sum += v[q];
+  return sum;
+}
+
 __device__ __forceinline__ unsigned char* dyn_smem() {
   extern __shared__ __align__(16) unsigned char cake_dyn_smem[];
   return cake_dyn_smem;

@@ -4,11 +4,11 @@
  * Main kernel: the rows are cut into FIXED chunks of kChunkRows rows (chunk c = rows
  * [c*kChunkRows, ...)), independent of SM count and grid. One block = one row group (BwdLayout);
  * grid = balanced_grid(nchunks, resident blocks), capped by grid_cap; block b takes chunks b, b + grid, ... and walks
- * their rows as one sequence through the row pipeline (kPull 1: grid = min(resident blocks, nchunks),
- * and after chunks b and b + grid a block pulls its next chunk at run time, bwd_row.cuh
- * PulledChunks, so blocks on faster SMs take more chunks; a chunk's rows and sums are the same
- * whichever block takes it, so the bits are too). (bwd_row.cuh: the next kRingRows rows' dy and
- * x in flight in shared memory; more when few chunks mean few blocks). For each row, in row order, it computes dx and each thread adds the
+ * their rows as one sequence through the row pipeline (bwd_row.cuh: the next kRingRows rows' dy and
+ * x in flight in shared memory). kPull 1: grid = min(resident blocks, nchunks), and after chunks b
+ * and b + grid a block pulls its next chunk at run time (bwd_row.cuh PulledChunks), so blocks on
+ * faster SMs take more chunks; a chunk's rows and sums are the same whichever block takes it, so
+ * the bits are too. For each row, in row order, it computes dx and each thread adds the
  * row's dw terms of its own columns into registers, so every column of a chunk is summed by one
  * thread in row order, starting from zero at the chunk's first row:
  *   fp64_fold  an FP64 sum of the exact products (dy·x)·rstd (dw_add_fp64): the chunk partial is

@@ -35,7 +35,8 @@
  * stream as fast as the plain programs. The tuner picks per window.
  * The order of the FP64 atomics is not fixed: dw is not bitwise reproducible (fast backend); dx is.
  * The library zeroes the workspace (memsetAsync on the stream) before the kernel.
- * workspace_bytes = align256(kReplicas * H * 8) + 256 (accumulators, then the counter), independent of T.
+ * workspace_bytes = align256(kReplicas * H * 8) + 256, independent of T: the accumulators, then the
+ * last-block counter and, 128 bytes on, the pulled chunks' counter.
  */
 #ifndef CAKE_RMSNORM_PROGRAMS_BWD_SINGLE_CUH
 #define CAKE_RMSNORM_PROGRAMS_BWD_SINGLE_CUH
@@ -162,13 +163,7 @@ struct BwdSingle {
     if (*last) {
       __threadfence();
       for (int j = threadIdx.x; j < H; j += kThreads) {
-        double v[kReplicas];
-#pragma unroll
-        for (int q = 0; q < kReplicas; ++q) v[q] = __ldcg(acc0 + q * H + j);  // all in flight at once
-        double sum = v[0];
-#pragma unroll
-        for (int q = 1; q < kReplicas; ++q) sum += v[q];
-        st_dw(static_cast<W*>(a.dw), j, sum);
+        st_dw(static_cast<W*>(a.dw), j, sum_in_order<kReplicas>([&](int q) { return __ldcg(acc0 + q * H + j); }));
       }
     }
   }
@@ -192,13 +187,7 @@ struct BwdSingle {
     const int j0 = static_cast<int>(cluster.block_rank()) * kSlice;
     const int j1 = j0 + kSlice < H ? j0 + kSlice : H;
     for (int j = j0 + t; j < j1; j += kThreads) {
-      double v[kCluster];
-#pragma unroll
-      for (int q = 0; q < kCluster; ++q) v[q] = cluster.map_shared_rank(mine, q)[j];
-      double sum = v[0];
-#pragma unroll
-      for (int q = 1; q < kCluster; ++q) sum += v[q];
-      atomicAdd(acc + j, sum);
+      atomicAdd(acc + j, sum_in_order<kCluster>([&](int q) { return cluster.map_shared_rank(mine, q)[j]; }));
     }
     cluster.sync();
   }
