@@ -9,7 +9,7 @@ T is capped at each program's max_tokens (programs.toml): no route runs it past 
 Det libraries: dx and dw bits identical across two runs and at grid_cap 7 and about half the SMs
 (sm // 2) against the library's own grid (grid_cap 0).
 Program forms: deterministic backward programs of the same `reduction` but different form (pair,
-pair_staged counting as pair, vs column_task; membership read from the registry) give identical dx
+pair_staged counting as pair, single and column_task; membership read from the registry) give identical dx
 and dw bits for the same inputs, at every (H, weight dtype, residual) that has libraries of both in
 the index, at T in FORM_TOKENS that both programs' max_tokens allow. Forward programs of one key
 (rows-per-block grids and the ring) give identical y, h and rstd bits, at T in FWD_FORM_TOKENS.

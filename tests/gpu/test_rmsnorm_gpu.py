@@ -97,6 +97,47 @@ def test_det_bits_do_not_depend_on_grid_cap(hidden, tokens):
         ops.set_grid_cap(0)
 
 
+def _fixed64_point():
+    """The first (hidden, tokens) whose det backward route on this GPU sums dw in 64-bit fixed point
+    (reduction fixed64), or None."""
+    from cake_rmsnorm.runtime import device
+
+    reg = load_registry()
+    arch = device.device_info(torch.cuda.current_device()).arch.name
+    for tokens in (4097, 16385, 65537):
+        for hidden in WIDTHS:
+            if reg.route(arch, "det", "bwd", hidden, tokens, "fp32", False).program.reduction == "fixed64":
+                return hidden, tokens
+    return None
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** 16], ids=["in_range", "out_of_range"])
+def test_det_fixed_point_dw_in_and_out_of_its_range(scale):
+    """fixed64 programs (bwd_single.cuh): with randn dy the 64-bit sums hold every term; with dy
+    scaled by 2^16 (T·max|term|·2^34 past 2^62) det's FP64 column tasks write dw instead. Both:
+    inside the dw budget, and det's bits across runs and grid caps."""
+    point = _fixed64_point()
+    if point is None:
+        pytest.skip("no det route on this GPU runs a fixed64 program at T 4097-65537")
+    hidden, tokens = point
+    inp = _inputs(hidden, tokens)
+    x, w = inp["x"], inp["w"]["fp32"]
+    dy = (inp["dy"].float() * scale).bfloat16()
+    base = _run(x, None, w, dy, None, "det")
+    fails = _check(x, w, dy, None, base, f"det fixed64 dy x{scale:g}")
+    runs = [_run(x, None, w, dy, None, "det")]
+    try:
+        for cap in (7, torch.cuda.get_device_properties(x.device).multi_processor_count // 2):
+            ops.set_grid_cap(cap)
+            runs.append(_run(x, None, w, dy, None, "det"))
+    finally:
+        ops.set_grid_cap(0)
+    for other in runs:
+        if not (same_bits(base["dx"], other["dx"]) and same_bits(base["dw"], other["dw"])):
+            fails.append("det bits differ between runs or grid caps")
+    assert not fails, f"H={hidden} T={tokens} dy x{scale:g}:\n  " + "\n  ".join(fails)
+
+
 def test_public_api_shapes_strides_and_empty():
     hidden = 2048
     inp = _inputs(hidden, 24)

@@ -40,6 +40,25 @@ __device__ __forceinline__ void dw_add_twosum(float& s, float& c, float p, float
 __device__ __forceinline__ void dw_add_fp64(double& s, float p, float rstd) {
   s = __fma_rn(static_cast<double>(p), static_cast<double>(rstd), s);
 }
+// fixed64: the exact FP64 product p·rstd·2^kFixedShift rounded once to an integer and added
+// (mod 2^64; the sum is exact while it stays inside int64). mag keeps the largest high word of
+// |p·rstd·2^kFixedShift| (monotone in the magnitude; NaN and Inf above every finite value), from
+// which the program checks afterwards that no sum could have left the range.
+__device__ __forceinline__ void dw_add_fixed(unsigned long long& q, unsigned& mag, float p, float rstd) {
+  const double t = __dmul_rn(static_cast<double>(p), static_cast<double>(rstd) * (1ull << kFixedShift));
+  q += static_cast<unsigned long long>(__double2ll_rn(t));
+  mag = max(mag, static_cast<unsigned>(__double2hiint(t)) & 0x7fffffffu);
+}
+// The fixed64 sum as the FP64 value it stands for, if T terms whose largest |t·2^kFixedShift| has
+// high word mag could not have overflowed it: each term is at most M + 1/2 in magnitude (M < the
+// double with high word mag and all low bits set), so |sum| <= T·(M + 1) <= 2^62 keeps every partial
+// sum's true value inside int64. Else (or NaN/Inf seen) false.
+__device__ __forceinline__ bool fixed_in_range(int64_t T, unsigned mag) {
+  return static_cast<double>(T) * (__hiloint2double(static_cast<int>(mag), -1) + 1.0) <= 0x1p62;
+}
+__device__ __forceinline__ double fixed_value(unsigned long long q) {
+  return static_cast<double>(static_cast<long long>(q)) * (1.0 / (1ull << kFixedShift));
+}
 
 template <int H, class L, bool kRes, class Weight, class OnTerm>
 __device__ __forceinline__ void bwd_row_math(const uint4 (&vdy)[L::kVPT], const uint4 (&vx)[L::kVPT],

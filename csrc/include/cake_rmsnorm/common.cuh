@@ -30,6 +30,7 @@ enum class Reduction : int {
   kBlockedFp32 = 1,  // FP32 sums of at most block_rows terms, folded into FP64
   kTwoSum = 2,       // FP32 TwoSum pairs (sum + compensation), TwoProduct error included
   kFp64Fold = 3,     // FP64 sums
+  kFixed64 = 4,      // 64-bit fixed-point sums of the rounded terms: exact, so any order gives the same bits
 };
 
 constexpr int kWarpSize = 32;
@@ -38,6 +39,8 @@ constexpr int kWarpSize = 32;
 // follows it), so every det form of one reduction gives the same bits.
 constexpr int kDetChunkRows = 64;
 constexpr int kDetSplits = 8;
+// fixed64: a dw term t is held as the integer round(t · 2^kFixedShift) (bwd_row.cuh dw_add_fixed).
+constexpr int kFixedShift = 34;
 constexpr int kVec = 8;                 // bf16 per 16-byte vector
 constexpr int kReduceScratchBytes = 128;  // one float per warp, up to 32 warps (1024 threads)
 
@@ -177,17 +180,38 @@ __device__ __forceinline__ float group_sum(float v, float* scratch, int warp, in
   }
 }
 
-// load(0) + load(1) + ... + load(N - 1) in FP64, in index order, every load issued before the first
-// addition.
+// load(0) + load(1) + ... + load(N - 1) in index order (in load's type: FP64, or wrapping 64-bit
+// integers), every load issued before the first addition.
 template <int N, class Load>
-__device__ __forceinline__ double sum_in_order(Load&& load) {
-  double v[N];
+__device__ __forceinline__ auto sum_in_order(Load&& load) {
+  using V = decltype(load(0));
+  V v[N];
 #pragma unroll
   for (int q = 0; q < N; ++q) v[q] = load(q);
-  double sum = v[0];
+  V sum = v[0];
 #pragma unroll
   for (int q = 1; q < N; ++q) sum += v[q];
   return sum;
+}
+
+// For the columns j = threadIdx.x, + kThreads, ... < H: store(j, value(j)), kBatch of a thread's
+// columns at a time, every value loaded before the first is stored. As one loop of load, convert and
+// store, the compiler keeps each load behind the previous column's store, and a thread waits one
+// memory round trip per column.
+template <int H, int kThreads, int kBatch, class Value, class Store>
+__device__ __forceinline__ void columns_batched(Value&& value, Store&& store) {
+  using V = decltype(value(0));
+  for (int j0 = static_cast<int>(threadIdx.x); j0 < H; j0 += kThreads * kBatch) {
+    V v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (j0 + b * kThreads < H) v[b] = value(j0 + b * kThreads);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (j0 + b * kThreads < H) store(j0 + b * kThreads, v[b]);
+    }
+  }
 }
 
 __device__ __forceinline__ unsigned char* dyn_smem() {

@@ -15,7 +15,8 @@ from ..registry import Library
 WEIGHT_CTYPES = {"fp32": "float", "bf16": "__nv_bfloat16"}
 # The registry's reduction names → csrc/include/cake_rmsnorm/common.cuh's cake::Reduction.
 REDUCTION_CPP = {"fp32": "cake::Reduction::kFp32", "blocked_fp32": "cake::Reduction::kBlockedFp32",
-                 "twosum": "cake::Reduction::kTwoSum", "fp64_fold": "cake::Reduction::kFp64Fold"}
+                 "twosum": "cake::Reduction::kTwoSum", "fp64_fold": "cake::Reduction::kFp64Fold",
+                 "fixed64": "cake::Reduction::kFixed64"}
 # The one line that makes a library set CUDA 13.4's oversized shared-memory mode
 # (csrc/include/cake_rmsnorm/smem_mode.cuh); only a library above the opt-in limit gets it.
 OVERSIZED_DEFINE = "#define CAKE_OVERSIZED 1"

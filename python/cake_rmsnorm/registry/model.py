@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 FORMS = ("forward", "pair", "single", "column_task")
-REDUCTIONS = ("fp32", "blocked_fp32", "twosum", "fp64_fold")
+REDUCTIONS = ("fp32", "blocked_fp32", "twosum", "fp64_fold", "fixed64")
 # The hidden size of a generic library: its program takes H at run time and serves every width
 # that is not prebuilt (a multiple of 8 up to its max_hidden). Its name says "hany".
 GENERIC_HIDDEN = 0

@@ -1,5 +1,6 @@
 /* det backward, column-task form (small T): cake::BwdColumnTask<H, WeightT, kResidual,
- * kReduction, kColsPerBlock, kRowSplits, kStageChunk, kLaunches>  (reduction twosum or fp64_fold)
+ * kReduction, kColsPerBlock, kRowSplits, kStageChunk, kLaunches>  (reduction twosum, fp64_fold or
+ * fixed64)
  *
  * One launch of tasks of two roles (grid-stride over tasks when grid_cap is smaller):
  *  - column tasks 0 .. ceil(H/kColsPerBlock)-1: task c owns dw columns [c*kColsPerBlock, ...).
@@ -16,8 +17,12 @@
  *    other backward forms; the dw terms are ignored there).
  * With launches = 2 the two roles are two kernels that run side by side (see kLaunches below); the
  * additions are the same.
+ * fixed64: each lane also sums its columns' terms as 64-bit integers (dw_add_fixed, as BwdSingle's
+ * fixed64) and keeps the largest term's magnitude; a task leaves both sums of its columns in the
+ * workspace, and the last task to finish writes every dw from the integer sums, or, where they
+ * could have overflowed, from the FP64 ones: BwdSingle<..., kFixed64, ...>'s bits either way.
  * Every order is fixed by T and compile-time constants: bitwise reproducible, independent of SM
- * count and grid. workspace_bytes = 0.
+ * count and grid. workspace_bytes = 0 (fixed64: align256(16 H) + 256).
  */
 #ifndef CAKE_RMSNORM_PROGRAMS_BWD_COLUMN_TASK_CUH
 #define CAKE_RMSNORM_PROGRAMS_BWD_COLUMN_TASK_CUH
@@ -47,8 +52,9 @@ __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) bwd_column_cols_ke
 template <int H, class W, bool kRes, Reduction kR, int kColsPerBlock, int kRowSplits, int kStageChunk,
           int kLaunches>
 struct BwdColumnTask {
-  static_assert(kR == Reduction::kTwoSum || kR == Reduction::kFp64Fold,
-                "column_task: reduction must be twosum or fp64_fold");
+  static_assert(kR == Reduction::kTwoSum || kR == Reduction::kFp64Fold || kR == Reduction::kFixed64,
+                "column_task: reduction must be twosum, fp64_fold or fixed64");
+  static constexpr bool kFixed = kR == Reduction::kFixed64;
   static constexpr int kCPL = kColsPerBlock / kWarpSize;  // columns per lane
   static_assert(kColsPerBlock % kWarpSize == 0 && (kCPL == 1 || kCPL == 2 || kCPL == 4 || kCPL == 8),
                 "cols_per_block must be 32, 64, 128 or 256");
@@ -69,7 +75,8 @@ struct BwdColumnTask {
   static constexpr int kRowGroups = cmax(1, 256 / L::kTPR);
   static constexpr int kRowThreads = kRowGroups * L::kTPR;
   static constexpr int kColTasks = ceil_div(H, kColsPerBlock);
-  static constexpr int kColSmem = kRowSplits * kColsPerBlock * 8;  // a TwoSum float pair or a double
+  // per split and column: a TwoSum float pair or a double (fixed64: a double and a 64-bit integer)
+  static constexpr int kColSmem = kRowSplits * kColsPerBlock * (kFixed ? 16 : 8);
   static_assert(kStageChunk == 0 || kStageChunk == 1, "stage_chunk must be 0 or 1");
   // stage_chunk = 1: a warp copies a whole chunk of its columns (dy, x as bf16, then rstd) into its
   // own shared-memory stage with cp.async, every row in flight at once, then sums it from there:
@@ -84,7 +91,10 @@ struct BwdColumnTask {
   using WeightT = W;
   static constexpr int kSmemBytes = cmax(kReduceScratchBytes, kColSmem + kStageSmem);
 
-  static size_t workspace_bytes(int64_t /*T*/, int /*sm_count*/) { return 0; }
+  // fixed64: each column's integer sum [H] and FP64 sum [H], then the tasks' counter and, 64 bytes on,
+  // the largest term's high word (the last column task decides between the two, as the single does)
+  static constexpr size_t kFixedSums = align256(static_cast<size_t>(H) * 16);
+  static size_t workspace_bytes(int64_t /*T*/, int /*sm_count*/) { return kFixed ? kFixedSums + 256 : 0; }
 
   template <int N>
   static __device__ __forceinline__ void ld_cols(const bf16* p, float (&f)[N]) {
@@ -195,17 +205,21 @@ struct BwdColumnTask {
     // [kRowSplits][kColsPerBlock]: float2 (sum, compensation) for twosum, double for fp64_fold
     float2* pairs = reinterpret_cast<float2*>(dyn_smem());
     double* fold = reinterpret_cast<double*>(dyn_smem());
+    unsigned long long* qfold = reinterpret_cast<unsigned long long*>(fold + kRowSplits * kColsPerBlock);
+    unsigned mag = 0;  // fixed64: the largest term's high word (dw_add_fixed)
     const int lane = threadIdx.x % kWarpSize;
     const int s = threadIdx.x / kWarpSize;
     const int cl = lane * kCPL;                       // first column of this lane in the task
     const int col = task * kColsPerBlock + cl;
     if (s < kRowSplits) {
       float sum[kCPL], comp[kCPL];  // twosum: this split's pair
-      double dsum[kCPL];            // fp64_fold: this split's sum
+      double dsum[kCPL];            // fp64_fold (and fixed64's fallback): this split's sum
+      unsigned long long q[kCPL];   // fixed64: this split's integer sum (any order: exact)
 #pragma unroll
       for (int e = 0; e < kCPL; ++e) {
         sum[e] = comp[e] = 0.f;
         dsum[e] = 0.0;
+        q[e] = 0;
       }
       if (col < H) {
         int64_t c0, c1;
@@ -228,6 +242,7 @@ struct BwdColumnTask {
               dw_add_twosum(cs[e], cc[e], p, rstd);
             } else {
               dw_add_fp64(cd[e], p, rstd);
+              if constexpr (kFixed) dw_add_fixed(q[e], mag, p, rstd);
             }
           };
           if constexpr (kStageChunk) {
@@ -251,8 +266,13 @@ struct BwdColumnTask {
           pairs[s * kColsPerBlock + cl + e] = make_float2(sum[e], comp[e]);
         } else {
           fold[s * kColsPerBlock + cl + e] = dsum[e];
+          if constexpr (kFixed) qfold[s * kColsPerBlock + cl + e] = q[e];
         }
       }
+    }
+    if constexpr (kFixed) {
+      mag = __reduce_max_sync(0xffffffffu, mag);
+      if (lane == 0) atomicMax(fixed_magnitude(a), mag);
     }
     __syncthreads();
     if (s == 0 && col < H) {  // the pair's combine_splits: split sums in split order
@@ -269,10 +289,46 @@ struct BwdColumnTask {
           v = fold[cl + e];
           for (int i = 1; i < kRowSplits; ++i) v += fold[i * kColsPerBlock + cl + e];
         }
-        st_dw(static_cast<W*>(a.dw), col + e, v);
+        if constexpr (kFixed) {  // both sums to the workspace; the last task picks
+          unsigned long long qs = 0;
+          for (int i = 0; i < kRowSplits; ++i) qs += qfold[i * kColsPerBlock + cl + e];
+          fixed_sums(a)[col + e] = qs;
+          reinterpret_cast<double*>(fixed_sums(a) + H)[col + e] = v;
+        } else {
+          st_dw(static_cast<W*>(a.dw), col + e, v);
+        }
       }
     }
+    if constexpr (kFixed) finish_fixed(a);
     __syncthreads();
+  }
+
+  // fixed64's workspace (workspace_bytes)
+  static __device__ __forceinline__ unsigned long long* fixed_sums(const cake_bwd_args_t& a) {
+    return static_cast<unsigned long long*>(a.workspace);
+  }
+  static __device__ __forceinline__ unsigned* fixed_magnitude(const cake_bwd_args_t& a) {
+    return reinterpret_cast<unsigned*>(static_cast<char*>(a.workspace) + kFixedSums + 64);
+  }
+  // After a column task has left its sums: the last of the kColTasks tasks writes every column's dw,
+  // the fixed-point sum where T terms of the largest magnitude seen could not overflow it
+  // (fixed_in_range, as BwdSingle's last block decides: the same bits), else the FP64 one.
+  static __device__ __forceinline__ void finish_fixed(const cake_bwd_args_t& a) {
+    int* last = reinterpret_cast<int*>(dyn_smem());  // the split sums are read by now (barrier below)
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned* done = reinterpret_cast<unsigned*>(static_cast<char*>(a.workspace) + kFixedSums);
+      *last = atomicAdd(done, 1u) == kColTasks - 1;
+    }
+    __syncthreads();
+    if (!*last) return;
+    __threadfence();
+    const bool exact = fixed_in_range(a.T, __ldcg(fixed_magnitude(a)));
+    const unsigned long long* q = fixed_sums(a);
+    const double* v = reinterpret_cast<const double*>(q + H);
+    columns_batched<H, kThreads, 16>([&](int j) { return exact ? fixed_value(__ldcg(q + j)) : __ldcg(v + j); },
+                                     [&](int j, double d) { st_dw(static_cast<W*>(a.dw), j, d); });
   }
 
   template <int kG>  // row groups per block
@@ -315,6 +371,10 @@ struct BwdColumnTask {
 
   static cudaError_t launch(const cake_bwd_args_t& a, cudaStream_t st) {
     if (a.T <= 0) return cudaSuccess;
+    if constexpr (kFixed) {  // the counter and the magnitude (the sums are written whole)
+      const cudaError_t e = cudaMemsetAsync(static_cast<char*>(a.workspace) + kFixedSums, 0, 256, st);
+      if (e != cudaSuccess) return e;
+    }
     if constexpr (kLaunches == 2) {
       cudaError_t e = prepare_smem<BwdColumnTask>(bwd_column_cols_kernel<BwdColumnTask>, kSmemBytes);
       if (e != cudaSuccess) return e;
