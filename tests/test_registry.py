@@ -43,6 +43,20 @@ def test_programs_use_known_forms_and_reductions(reg):
         assert program.reduction in REDUCTIONS
 
 
+def test_every_det_reduction_a_route_runs_has_two_forms(reg):
+    """det's bits belong to its reduction, not to a form: each reduction a det table routes has
+    deterministic backward programs of at least two forms (pair_staged counting as pair), so
+    ci/check_programs.py can compare the forms' bits."""
+    routed = {w.program.reduction for key, windows in reg.tables.items() if key.backend == "det"
+              and key.direction == "bwd" for w in windows if not w.program.runtime_h}
+    assert {"fp64_fold", "fixed64"} <= routed
+    for reduction in routed:
+        forms = {"pair" if p.form.startswith("pair") else p.form for p in reg.programs.values()
+                 if p.direction == "bwd" and p.deterministic and p.reduction == reduction
+                 and not p.runtime_h}
+        assert len(forms) >= 2, f"det reduction {reduction}: forms {sorted(forms)}"
+
+
 def test_det_tables_run_only_deterministic_programs(reg):
     for key, windows in reg.tables.items():
         if key.backend == "det":
