@@ -7,8 +7,7 @@ import sys
 import pytest
 
 from cake_rmsnorm.cli import main
-from cake_rmsnorm.registry import load_registry
-from cake_rmsnorm.registry.model import FORMS, REDUCTIONS
+from cake_rmsnorm.registry import FORMS, REDUCTIONS, load_registry
 
 PLAN_FIELDS = {"name", "program", "H", "weight_dtype", "residual", "smem_bytes", "oversized"}
 EXPLAIN_FIELDS = {"arch", "backend", "direction", "H", "T", "weight_dtype", "residual", "program",

@@ -124,6 +124,11 @@ def test_det_fixed_point_dw_in_and_out_of_its_range(scale):
     x, w = inp["x"], inp["w"]["fp32"]
     dy = (inp["dy"].float() * scale).bfloat16()
     base = _run(x, None, w, dy, None, "det")
+    # the case is what its id says: T·(max|dy·x·rstd|·2^34 + 1) past 2^62 exactly when scaled
+    biggest = max(float((dy[i:i + 4096].float() * x[i:i + 4096].float()).double().abs()
+                        .mul(base["rstd"][i:i + 4096].double()[:, None]).max())
+                  for i in range(0, tokens, 4096))
+    assert (tokens * (biggest * 2.0 ** 34 + 1) > 2.0 ** 62) == (scale > 1), (tokens, biggest, scale)
     fails = _check(x, w, dy, None, base, f"det fixed64 dy x{scale:g}")
     runs = [_run(x, None, w, dy, None, "det")]
     try:

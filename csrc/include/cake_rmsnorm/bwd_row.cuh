@@ -56,6 +56,12 @@ __device__ __forceinline__ void dw_add_fixed(unsigned long long& q, unsigned& ma
 __device__ __forceinline__ bool fixed_in_range(int64_t T, unsigned mag) {
   return static_cast<double>(T) * (__hiloint2double(static_cast<int>(mag), -1) + 1.0) <= 0x1p62;
 }
+// A warp's largest magnitude (dw_add_fixed's mag) into the program's global maximum; every lane
+// of the warp calls it.
+__device__ __forceinline__ void publish_magnitude(unsigned* global_max, unsigned mag) {
+  mag = __reduce_max_sync(0xffffffffu, mag);
+  if ((threadIdx.x & (kWarpSize - 1)) == 0) atomicMax(global_max, mag);
+}
 __device__ __forceinline__ double fixed_value(unsigned long long q) {
   return static_cast<double>(static_cast<long long>(q)) * (1.0 / (1ull << kFixedShift));
 }

@@ -270,10 +270,7 @@ struct BwdColumnTask {
         }
       }
     }
-    if constexpr (kFixed) {
-      mag = __reduce_max_sync(0xffffffffu, mag);
-      if (lane == 0) atomicMax(fixed_magnitude(a), mag);
-    }
+    if constexpr (kFixed) publish_magnitude(fixed_magnitude(a), mag);
     __syncthreads();
     if (s == 0 && col < H) {  // the pair's combine_splits: split sums in split order
 #pragma unroll

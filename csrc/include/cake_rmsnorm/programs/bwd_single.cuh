@@ -178,10 +178,7 @@ struct BwdSingle {
     Acc* const acc0 = static_cast<Acc*>(a.workspace);
     Acc* acc = acc0 + static_cast<int64_t>((blockIdx.x / kCluster) % kReplicas) * H;  // this block's replica
     if constexpr (kFixed) {
-      mag = __reduce_max_sync(0xffffffffu, mag);
-      if ((t & (kWarpSize - 1)) == 0) {
-        atomicMax(reinterpret_cast<unsigned*>(static_cast<char*>(a.workspace) + kMagnitudeOffset), mag);
-      }
+      publish_magnitude(reinterpret_cast<unsigned*>(static_cast<char*>(a.workspace) + kMagnitudeOffset), mag);
     }
     if constexpr (kCluster > 1) {
       cluster_add(acc, reinterpret_cast<Acc*>(dyn_smem() + kReduceScratchBytes), t, total);
