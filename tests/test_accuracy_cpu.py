@@ -66,3 +66,23 @@ def test_eager_fp32_reduction_is_close_but_not_exact():
     ref = accuracy.reference_dw(x, dy, rstd)
     ratio, rel, _ = accuracy.dw_errors(accuracy.eager_fp32_dw(x, dy, rstd), ref)
     assert 0 < rel < 1e-5 and ratio < 1
+
+
+def test_bf16_dw_is_measured_beyond_its_own_rounding():
+    x, dy, w, rstd = _case(tokens=256)
+    ref = accuracy.reference_dw(x, dy, rstd)
+    rounded = ref.bfloat16()  # the correctly rounded sum: no error beyond bf16's own
+    ratio, rel, _ = accuracy.dw_errors(rounded, ref)
+    assert ratio == 0 and rel == 0
+    # the same values against the old-style relative budget would fail: rounding alone is 2^-9+
+    assert ((rounded.double() - ref).abs() / (1e-4 + 1e-4 * ref.abs())).max() > 1
+    # one ulp off at element 5: beyond the rounding by at least half an ulp, far over the budget
+    off = rounded.clone()
+    off[5] = (off[5].float() * (1 + 2.0 ** -7)).bfloat16()  # about one bf16 ulp up
+    ratio, rel, msg = accuracy.dw_errors(off, ref)
+    assert ratio > 1 and "dw[5]" in msg and rel > 1e-4 / 256 ** 0.5
+
+
+def test_bf16_half_ulp():
+    v = torch.tensor([0.0, 1.0, 1.5, -3.0, 2.0 ** -20], dtype=torch.float64)
+    assert accuracy.bf16_half_ulp(v).tolist() == [0.0, 2.0 ** -8, 2.0 ** -8, 2.0 ** -7, 2.0 ** -28]
