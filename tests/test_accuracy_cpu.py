@@ -76,9 +76,9 @@ def test_bf16_dw_is_measured_beyond_its_own_rounding():
     assert ratio == 0 and rel == 0
     # the same values against the old-style relative budget would fail: rounding alone is 2^-9+
     assert ((rounded.double() - ref).abs() / (1e-4 + 1e-4 * ref.abs())).max() > 1
-    # one ulp off at element 5: beyond the rounding by at least half an ulp, far over the budget
+    # 5% off at element 5 (several bf16 ulps, even across a binade): far beyond the rounding
     off = rounded.clone()
-    off[5] = (off[5].float() * (1 + 2.0 ** -7)).bfloat16()  # about one bf16 ulp up
+    off[5] = (off[5].float() * 1.05).bfloat16()
     ratio, rel, msg = accuracy.dw_errors(off, ref)
     assert ratio > 1 and "dw[5]" in msg and rel > 1e-4 / 256 ** 0.5
 
