@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import torch
@@ -142,29 +144,63 @@ def windows(points):
     return result
 
 
-def toml_text(rows, widths, arch, device_name, limits=None) -> str:
+def _override_lines(arch, backend, direction, hidden, first, last, program, measured):
+    return ["[[override]]", 'window = "tuned"', f'arch = "{arch}"', f'backend = "{backend}"',
+            f'direction = "{direction}"', 'weight_dtype = "all"', 'residual = "all"', f"H = [{hidden}]",
+            f"first = {first}"] + ([f"last = {last}"] if last is not None else []) + \
+        [f'program = "{program}"', f'measured = "{measured}"', ""]
+
+
+def kept_windows(path: Path, widths):
+    """The windows of an earlier table (e.g. the committed one) for the widths not in `widths`, and
+    the date its header gives."""
+    text = path.read_text()
+    dates = re.findall(r"^# (\d{4}-\d{2}-\d{2})", text, re.M)
+    stamp = dates[0] if dates else "(undated)"
+    kept = [o for o in tomllib.loads(text).get("override", []) if not set(o["H"]) & set(widths)]
+    return kept, stamp
+
+
+def toml_text(rows, widths, arch, device_name, limits=None, keep=None) -> str:
+    """The route table of `rows` at `widths`; keep: (windows, stamp) of an earlier table's other
+    widths (kept_windows), written after a header line naming them."""
     lines = [f"# Routes for {arch} chosen by benchmarks/tune_routes.py on {device_name},",
              f"# {time.strftime('%Y-%m-%d')}: the fastest candidate inside {WORST_LIMIT} of the dw "
              f"budget (its worst x sqrt(window end / T) x {INPUT_MARGIN}) at each grid T",
              f"# ({', '.join(map(str, GRID))}); each window runs from its grid",
              "# point to the next. `measured` keeps the figures that chose it. Generated; reviewed, "
-             "then committed.", ""]
-    for hidden in widths:
+             "then committed."]
+    kept, stamp = keep or ([], "")
+    if kept:
+        others = sorted({h for o in kept for h in o["H"]})
+        lines.append(f"# H {', '.join(map(str, widths))} measured in this run; H "
+                     f"{', '.join(map(str, others))} kept from the run of {stamp}")
+    lines.append("")
+    for hidden in sorted(set(widths) | {h for o in kept for h in o["H"]}):
+        if hidden not in widths:
+            for o in (o for o in kept if hidden in o["H"]):
+                lines += _override_lines(arch, o["backend"], o["direction"], hidden, o["first"],
+                                         o.get("last"), o["program"], o["measured"])
+            continue
         for backend, direction in (("all", "fwd"), ("det", "bwd"), ("fast", "bwd")):
             pts = winners(rows, hidden, "det" if backend == "all" else backend, direction, limits)
             for first, last, program, notes in windows(pts):
-                lines += ["[[override]]", 'window = "tuned"', f'arch = "{arch}"',
-                          f'backend = "{backend}"', f'direction = "{direction}"',
-                          'weight_dtype = "all"', 'residual = "all"', f"H = [{hidden}]",
-                          f"first = {first}"] + ([f"last = {last}"] if last is not None else []) + \
-                         [f'program = "{program}"', f'measured = "{"; ".join(notes)}"', ""]
+                lines += _override_lines(arch, backend, direction, hidden, first, last, program,
+                                         "; ".join(notes))
     return "\n".join(lines)
 
 
-def write_table(rows, widths, arch, device_name, out: Path) -> Path:
-    limits = {name: p.max_tokens for name, p in load_registry().programs.items()}
+def write_table(rows, widths, arch, device_name, out: Path, keep_from: str = "") -> Path:
+    reg = load_registry()
+    limits = {name: p.max_tokens for name, p in reg.programs.items()}
+    keep = kept_windows(Path(keep_from), widths) if keep_from else None
+    if keep:
+        gone = sorted({o["program"] for o in keep[0]} - set(reg.programs))
+        if gone:
+            raise SystemExit(f"--keep {keep_from}: its windows name programs the registry no longer "
+                             f"has: {', '.join(gone)}; measure those widths again")
     path = out / f"{arch}.toml"
-    path.write_text(toml_text(rows, widths, arch, device_name, limits))
+    path.write_text(toml_text(rows, widths, arch, device_name, limits, keep))
     return path
 
 
@@ -178,6 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--from-json", default="", metavar="FILES",
                     help="no GPU: write the route table from earlier runs' tune.json files (comma "
                          "list, e.g. runs over different --widths of one library folder)")
+    ap.add_argument("--keep", default="", metavar="TABLE",
+                    help="an earlier route table (e.g. the committed one): its windows of the widths "
+                         "this run does not measure are written unchanged beside the new ones")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,7 +232,7 @@ def main(argv=None) -> int:
             print(f"--from-json: leaving out programs the registry no longer has: {', '.join(dropped)}")
             rows = [r for r in rows if r["program"] in known]
         widths = sorted({r["H"] for r in rows})
-        print(f"wrote {write_table(rows, widths, docs[0]['arch'], docs[0]['device'], out)}")
+        print(f"wrote {write_table(rows, widths, docs[0]['arch'], docs[0]['device'], out, args.keep)}")
         return 0
     if not args.libs:
         raise SystemExit("--libs is required (or --from-json)")
@@ -212,7 +251,7 @@ def main(argv=None) -> int:
         # after every width: a run cut short still leaves what it measured (see --from-json)
         (out / "tune.json").write_text(json.dumps({"arch": arch, "device": name, "rows": rows}, indent=1))
         print(f"H {hidden}: {sum(r['H'] == hidden for r in rows)} timings", flush=True)
-    print(f"wrote {write_table(rows, widths, arch, name, out)}")
+    print(f"wrote {write_table(rows, widths, arch, name, out, args.keep)}")
     return 0
 
 

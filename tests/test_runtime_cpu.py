@@ -15,7 +15,7 @@ import pytest
 import cake_rmsnorm
 from cake_rmsnorm.errors import LaunchError, ProviderError
 from cake_rmsnorm.manifest import LibraryEntry, Manifest, SCHEMA_VERSION, sha256_file
-from cake_rmsnorm.registry import load_registry
+from cake_rmsnorm.registry import TableKey, load_registry
 from cake_rmsnorm.runtime import abi, device, loader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -284,8 +284,10 @@ def stub_op(request, monkeypatch, tmp_path):
 
     monkeypatch.setattr(ops, "EAGER_FAST_PATH", request.param == "eager")
 
-    libs = [_lib(b, d, 256, t, "fp32", r) for b in ("det", "fast") for d in ("fwd", "bwd")
-            for t in (1, 300) for r in (False, True)]
+    # every window of H 256's tables at FP32 weight: the tests' T may land in any of them
+    libs = [_lib(b, d, 256, w.first, "fp32", r) for b in ("det", "fast") for d in ("fwd", "bwd")
+            for r in (False, True)
+            for w in REG.table(TableKey("sm_90a", b, d, "fp32", r, 256))]
     libs = list({lib.name: lib for lib in libs}.values())
     contents = {lib.name: _compile_stub(tmp_path, lib) for lib in libs}
     _make_provider(tmp_path / "prov", libs, contents=contents)

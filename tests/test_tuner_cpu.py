@@ -4,6 +4,7 @@ the TOML it writes loads into the registry and routes as chosen."""
 
 import json
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,35 @@ def test_merging_runs_of_different_devices_is_refused(tmp_path):
         files.append(str(f))
     with pytest.raises(SystemExit, match="one arch on one device"):
         tune_routes.main(["--from-json", ",".join(files), "--out", str(tmp_path / "out")])
+
+
+def test_a_run_over_some_widths_keeps_the_other_widths_of_an_earlier_table(tmp_path):
+    """--keep: the earlier table's windows of the widths this run did not measure are written
+    unchanged; the measured width's windows are this run's, and the header names both."""
+    earlier = tmp_path / "earlier.toml"
+    earlier.write_text("# 2026-01-02: earlier run\n" + tune_routes.toml_text(_rows(4096), [4096], "sm_90a", "GPU")
+                       + "\n" + tune_routes.toml_text(_rows(8192), [8192], "sm_90a", "GPU"))
+    rows = _rows(8192)
+    for r in rows:
+        if r["program"] == "det_column_task_c64s8":
+            r["ms"] = 0.1  # now fastest at every T of H 8192
+    (tmp_path / "run.json").write_text(json.dumps({"arch": "sm_90a", "device": "GPU", "rows": rows}))
+    assert tune_routes.main(["--from-json", str(tmp_path / "run.json"), "--keep", str(earlier),
+                             "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "sm_90a.toml").read_text()
+    assert "# H 8192 measured in this run; H 4096 kept from the run of 2026-01-02" in text
+    new = tomllib.loads(text)["override"]
+    old = tomllib.loads(earlier.read_text())["override"]
+    assert [o for o in new if o["H"] == [4096]] == [o for o in old if o["H"] == [4096]]
+    det8 = [o["program"] for o in new if o["H"] == [8192] and o["backend"] == "det"]
+    assert det8 == ["det_column_task_c64s8"]
+
+
+def test_keep_refuses_a_table_that_names_programs_no_longer_in_the_registry(tmp_path):
+    earlier = tmp_path / "earlier.toml"
+    earlier.write_text(tune_routes.toml_text(_rows(4096), [4096], "sm_90a", "GPU")
+                       .replace('"det_pair_ts_c64"', '"det_pair_gone"'))
+    (tmp_path / "run.json").write_text(json.dumps({"arch": "sm_90a", "device": "GPU", "rows": _rows(8192)}))
+    with pytest.raises(SystemExit, match="det_pair_gone"):
+        tune_routes.main(["--from-json", str(tmp_path / "run.json"), "--keep", str(earlier),
+                          "--out", str(tmp_path / "out")])

@@ -109,11 +109,14 @@ def _like(t: Tensor) -> Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-def _ready(t: Tensor) -> Tensor:
-    """Row-major and 16-byte aligned, as the ABI requires."""
-    if not t.is_contiguous() or t.data_ptr() % 16:
+def _ready(t: Tensor) -> Tuple[Tensor, int]:
+    """t row-major and 16-byte aligned, as the ABI requires (a copy where it is not), and its
+    address."""
+    ptr = t.data_ptr()
+    if ptr % 16 or not t.is_contiguous():
         t = t.clone(memory_format=torch.contiguous_format)
-    return t
+        ptr = t.data_ptr()
+    return t, ptr
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
@@ -144,17 +147,18 @@ def _launch_fwd(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
     rstd = x.new_empty((tokens,), dtype=torch.float32)
     if tokens == 0:
         return y, h, rstd
-    x, weight = _ready(x), _ready(weight)
+    x, x_ptr = _ready(x)
+    weight, w_ptr = _ready(weight)
     index = x.get_device()
     lib, _ = _library(index, backend, "fwd", hidden, tokens, _WEIGHT_DTYPES[weight.dtype],
                       residual is not None)
     if residual is None:
-        _on_device(index, lib.fwd, x.data_ptr(), _NULL, weight.data_ptr(), y.data_ptr(), _NULL,
-                   rstd.data_ptr(), tokens, eps)
+        _on_device(index, lib.fwd, x_ptr, _NULL, w_ptr, y.data_ptr(), _NULL, rstd.data_ptr(),
+                   tokens, eps)
     else:
-        residual = _ready(residual)
-        _on_device(index, lib.fwd, x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                   y.data_ptr(), h.data_ptr(), rstd.data_ptr(), tokens, eps)  # type: ignore
+        residual, r_ptr = _ready(residual)
+        _on_device(index, lib.fwd, x_ptr, r_ptr, w_ptr, y.data_ptr(), h.data_ptr(),  # type: ignore
+                   rstd.data_ptr(), tokens, eps)
     return y, h, rstd
 
 
@@ -195,7 +199,10 @@ def _launch_bwd(dy: Tensor, dresidual_out: Optional[Tensor], x: Tensor, weight: 
     dw = _like(weight)
     if tokens == 0:
         return dx, dw.zero_()
-    dy, x, weight, rstd = _ready(dy), _ready(x), _ready(weight), _ready(rstd)
+    dy, dy_ptr = _ready(dy)
+    x, x_ptr = _ready(x)
+    weight, w_ptr = _ready(weight)
+    rstd, rstd_ptr = _ready(rstd)
     index = x.get_device()
     lib, sm_count = _library(index, backend, "bwd", hidden, tokens, _WEIGHT_DTYPES[weight.dtype],
                              residual)
@@ -204,11 +211,10 @@ def _launch_bwd(dy: Tensor, dresidual_out: Optional[Tensor], x: Tensor, weight: 
     workspace = torch.empty((ws_bytes,), dtype=torch.uint8, device=x.device) if ws_bytes else None
     dres_ptr = _NULL
     if dresidual_out is not None:
-        dresidual_out = _ready(dresidual_out)
-        dres_ptr = dresidual_out.data_ptr()
-    _on_device(index, lib.bwd, dy.data_ptr(), dres_ptr, x.data_ptr(), weight.data_ptr(),
-               rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(),
-               workspace.data_ptr() if workspace is not None else _NULL, ws_bytes, tokens, _grid_cap)
+        dresidual_out, dres_ptr = _ready(dresidual_out)
+    _on_device(index, lib.bwd, dy_ptr, dres_ptr, x_ptr, w_ptr, rstd_ptr, dx.data_ptr(),
+               dw.data_ptr(), workspace.data_ptr() if workspace is not None else _NULL, ws_bytes,
+               tokens, _grid_cap)
     return dx, dw
 
 
