@@ -1,23 +1,25 @@
-/* det backward, pair form with a staged chunk: cake::BwdPairChunk<H, WeightT, kResidual, kReduction,
- * kChunkRows, kGroups>  (fp64_fold only)
+/* backward, pair form with a staged chunk: cake::BwdPairChunk<H, WeightT, kResidual, kReduction,
+ * kChunkRows, kGroups, kCopyParts>  (fp64_fold only)
  *
  * BwdPair's chunk partials and BwdPair's reduce, computed by a block that works on one chunk at a
  * time with all its threads instead of walking the chunk row by row with one row group. For small
- * H a row group is one warp, and BwdPair's block then walks its chunk's 64 rows one after another
+ * H a row group is one warp, and BwdPair's block then walks its chunk's rows one after another
  * (a warp reduction and a dependent chain per row: instruction-bound at 7.5% of DRAM bandwidth, ncu,
  * H200, H 256, T 4096); here:
  *   1. the chunk's rows of dy, x (and dresidual_out) and their rstd, contiguous in memory, are
- *      copied into shared memory with cp.async, all in flight at once (one round trip a chunk);
- *   2. the block's kGroups row groups take its rows g, g + kGroups, ... and compute dx
- *      (bwd_row_math: BwdPair's row math and layout, so dx has its bits);
+ *      copied into shared memory with cp.async in kCopyParts groups of consecutive rows, all in
+ *      flight at once;
+ *   2. the block's kGroups row groups take its rows g, g + kGroups, ..., each row once its part
+ *      has landed, and compute dx (bwd_row_math: BwdPair's row math and layout, so dx has its bits);
  *   3. each thread sums its columns of the chunk from the staged rows in row order, from zero, in
- *      FP64 from the exact products (dw_add_fp64), which is BwdPair<fp64_fold>'s chunk partial,
- *      addition for addition.
- * The chunk partials and the reduce are BwdPair's (chunk_rows 64: det_pair_c64's dw bits), so
- * the column tasks and det_pair_c64 give the same dx and dw bits (ci/check_programs.py compares
- * them). Block b takes chunks b, b + grid, ... (balanced_grid over the resident blocks, grid_cap).
- * Shared memory: 3 planes of kChunkRows rows (the dresidual_out plane unused without residual, so
- * every library of the program takes the same bytes), the rows' rstd and the group-sum scratch.
+ *      FP64 from the exact products (dw_add_fp64): BwdPair<fp64_fold>'s chunk partial, addition
+ *      for addition.
+ * With 64-row chunks the partials, and so dx and dw, are det_pair_c64's bits, which the FP64 column
+ * tasks give too (ci/check_programs.py compares them); with other chunk_rows the bits are
+ * reproducible but not det's canonical ones (fast's programs). Block b takes chunks b, b + grid, ...
+ * (balanced_grid over the resident blocks, grid_cap). Shared memory: 3 planes of kChunkRows rows
+ * (the dresidual_out plane unused without residual, so every library of a program takes the same
+ * bytes), the rows' rstd and the group-sum scratch.
  */
 #ifndef CAKE_RMSNORM_PROGRAMS_BWD_PAIR_CHUNK_CUH
 #define CAKE_RMSNORM_PROGRAMS_BWD_PAIR_CHUNK_CUH
@@ -48,8 +50,10 @@ struct BwdPairChunk : BwdPair<H, W, kRes, kR, kChunkRows> {
   static constexpr int kSmemBytes = cmax(kMainSmem, Base::kReduceSmem);
   static constexpr int kRowsPerGroup = kChunkRows / kGroups;
   static constexpr int kColsPerThread = ceil_div(H, kThreads);
-  static_assert(kCopyParts >= 1 && kCopyParts <= 8 && kRowsPerGroup % kCopyParts == 0, "pair_chunk: copy_parts must divide chunk_rows / groups");
+  static_assert(kCopyParts >= 1 && kCopyParts <= 8 && kRowsPerGroup % kCopyParts == 0,
+                "pair_chunk: copy_parts (at most 8) must divide chunk_rows / groups");
   static constexpr int kPartRows = kChunkRows / kCopyParts;
+  static_assert(kThreads >= kPartRows, "pair_chunk: a thread copies each row's rstd");
 
   static size_t workspace_bytes(int64_t T, int /*sm_count*/) { return Base::partials_bytes(T); }
 
