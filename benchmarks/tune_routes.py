@@ -6,6 +6,9 @@ python/cake_rmsnorm/registry/data/tuned/, to be reviewed and committed.
 
     python ci/program_libs.py --out .carry/programs                     # here: every program, sm_90a
     python benchmarks/tune_routes.py --libs .carry/programs --out tuned  # on the GPU
+    # some widths only, the others' windows kept from the committed table:
+    python benchmarks/tune_routes.py --libs DIR --widths 256 --out tuned \
+        --keep python/cake_rmsnorm/registry/data/tuned/sm_90a.toml
 
 Rules: candidates are the libraries of ci/program_libs.py at FP32 weight without residual (the
 chosen windows are written for every weight dtype and residual); det takes deterministic programs
