@@ -26,7 +26,9 @@ torch = pytest.importorskip("torch")
 import cake_rmsnorm  # noqa: E402
 from cake_rmsnorm import checks, ops  # noqa: E402
 from cake_rmsnorm.accuracy import same_bits  # noqa: E402
+from cake_rmsnorm.registry import TableKey, load_registry  # noqa: E402
 from cake_rmsnorm.runtime import abi  # noqa: E402
+from cake_rmsnorm.runtime.device import device_info  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -266,11 +268,8 @@ NAN_HIDDEN, NAN_TOKENS = 4096, (7, 1025, "fixed64")
 
 
 def _det_fixed64_tokens(hidden, wdtype):
-    from cake_rmsnorm.registry import TableKey, load_registry
-    from cake_rmsnorm.runtime import device
-
     reg = load_registry()
-    arch = device.device_info(torch.cuda.current_device()).arch.name
+    arch = device_info(torch.cuda.current_device()).arch.name
     wd = checks.WEIGHT_DTYPES[wdtype]
     for w in reg.table(TableKey(arch, "det", "bwd", wd, False, hidden)):
         tokens = max(w.first, 1025) + 1

@@ -280,12 +280,18 @@ struct BwdPair {
     return cudaGetLastError();
   }
 
+  // The reduce, a programmatic dependent of whatever main kernel stored the chunk partials (this
+  // one, or BwdPairChunk's).
+  static cudaError_t launch_reduce(const cake_bwd_args_t& a, cudaStream_t st) {
+    return launch_dependent(bwd_pair_reduce<BwdPair>, grid_capped(ceil_div(H, kWarpSize), a.grid_cap),
+                            kReduceThreads, kReduceSmem, st, a);
+  }
+
   static cudaError_t launch(const cake_bwd_args_t& a, cudaStream_t st) {
     if (a.T <= 0) return cudaSuccess;
     cudaError_t e = launch_main(a, st);
     if (e != cudaSuccess) return e;
-    return launch_dependent(bwd_pair_reduce<BwdPair>, grid_capped(ceil_div(H, kWarpSize), a.grid_cap),
-                            kReduceThreads, kReduceSmem, st, a);
+    return launch_reduce(a, st);
   }
 };
 

@@ -29,11 +29,6 @@
 
 namespace cake {
 
-template <class P>
-__global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) bwd_pair_chunk_kernel(const cake_bwd_args_t a) {
-  P::run_main(a);
-}
-
 template <int H, class W, bool kRes, Reduction kR, int kChunkRows, int kGroups, int kCopyParts = 1>
 struct BwdPairChunk : BwdPair<H, W, kRes, kR, kChunkRows> {
   static_assert(kR == Reduction::kFp64Fold, "pair_chunk: reduction must be fp64_fold");
@@ -41,8 +36,7 @@ struct BwdPairChunk : BwdPair<H, W, kRes, kR, kChunkRows> {
   using Base = BwdPair<H, W, kRes, kR, kChunkRows>;
   using L = BwdLayout<H>;
   static constexpr int kThreads = kGroups * L::kTPR;
-  static_assert(kThreads <= 1024 && kThreads / kWarpSize * 4 <= kReduceScratchBytes,
-                "pair_chunk: at most 1024 threads a block");
+  static_assert(kThreads <= 1024, "pair_chunk: at most 1024 threads a block (the group-sum scratch's 32 warps)");
   static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * 128));  // <= 128 registers
   static constexpr int kPlaneBytes = kChunkRows * H * 2;                  // one bf16 plane of the chunk
   static constexpr int kRstdOffset = kReduceScratchBytes + 3 * kPlaneBytes;
@@ -73,7 +67,8 @@ struct BwdPairChunk : BwdPair<H, W, kRes, kR, kChunkRows> {
       for (int u = threadIdx.x; u < units; u += kThreads) cp_async16(d + u, src[q] + u);
     }
     const int r = lo + static_cast<int>(threadIdx.x);
-    if (r < hi) {
+    if (r < hi) {  // cp_async4's instruction; through that helper ptxas schedules the q4 program
+                   // differently (same instruction count), and that schedule has not been timed
       const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(dyn_smem() + kRstdOffset + 4 * r));
       asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(a.rstd + r0 + r) : "memory");
     }
@@ -137,19 +132,18 @@ struct BwdPairChunk : BwdPair<H, W, kRes, kR, kChunkRows> {
 
   static cudaError_t launch(const cake_bwd_args_t& a, cudaStream_t st) {
     if (a.T <= 0) return cudaSuccess;
-    cudaError_t e = prepare_smem<BwdPairChunk>(bwd_pair_chunk_kernel<BwdPairChunk>, kMainSmem);
+    cudaError_t e = prepare_smem<BwdPairChunk>(bwd_pair_kernel<BwdPairChunk>, kMainSmem);
     if (e != cudaSuccess) return e;
     int sm = 0;
     e = sm_count(&sm);
     if (e != cudaSuccess) return e;
     const int64_t full = static_cast<int64_t>(sm) *
-        blocks_per_sm(bwd_pair_chunk_kernel<BwdPairChunk>, kThreads, kMainSmem, 1);
-    bwd_pair_chunk_kernel<BwdPairChunk><<<grid_capped(balanced_grid(Base::nchunks(a.T), full), a.grid_cap), kThreads,
+        blocks_per_sm(bwd_pair_kernel<BwdPairChunk>, kThreads, kMainSmem, 1);
+    bwd_pair_kernel<BwdPairChunk><<<grid_capped(balanced_grid(Base::nchunks(a.T), full), a.grid_cap), kThreads,
                                           kMainSmem, st>>>(a);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    return launch_dependent(bwd_pair_reduce<Base>, grid_capped(ceil_div(H, kWarpSize), a.grid_cap),
-                            Base::kReduceThreads, Base::kReduceSmem, st, a);
+    return Base::launch_reduce(a, st);
   }
 };
 
