@@ -6,7 +6,8 @@ python/cake_rmsnorm/registry/data/tuned/, to be reviewed and committed.
 
     python ci/program_libs.py --out .carry/programs                     # here: every program, sm_90a
     python benchmarks/tune_routes.py --libs .carry/programs --out tuned  # on the GPU
-    # some widths only, the others' windows kept from the committed table:
+    # some widths only (or a folder of forward programs only: the forward only), the rest of the
+    # committed table kept:
     python benchmarks/tune_routes.py --libs DIR --widths 256 --out tuned \
         --keep python/cake_rmsnorm/registry/data/tuned/sm_90a.toml
 
@@ -154,19 +155,32 @@ def _override_lines(arch, backend, direction, hidden, first, last, program, meas
         [f'program = "{program}"', f'measured = "{measured}"', ""]
 
 
-def kept_windows(path: Path, widths):
-    """The windows of an earlier table (e.g. the committed one) for the widths not in `widths`, and
-    the date its header gives."""
+DIRECTION_TABLES = (("all", "fwd"), ("det", "bwd"), ("fast", "bwd"))  # (backend, direction), in table order
+
+
+def kept_windows(path: Path, measured):
+    """The windows of an earlier table (e.g. the committed one) for the (width, direction)s not in
+    `measured`, and the date its header gives."""
     text = path.read_text()
     dates = re.findall(r"^# (\d{4}-\d{2}-\d{2})", text, re.M)
     stamp = dates[0] if dates else "(undated)"
-    kept = [o for o in tomllib.loads(text).get("override", []) if not set(o["H"]) & set(widths)]
+    kept = [o for o in tomllib.loads(text).get("override", [])
+            if not any((h, o["direction"]) in measured for h in o["H"])]
     return kept, stamp
 
 
+def _parts_text(parts) -> str:
+    """{(width, direction)} as "H a, b" (both directions at each) or "fwd at H a; bwd at H b"."""
+    by_dir = {d: sorted(h for h, dd in parts if dd == d) for d in ("fwd", "bwd")}
+    if by_dir["fwd"] == by_dir["bwd"]:
+        return "H " + ", ".join(map(str, by_dir["fwd"]))
+    return "; ".join(f"{d} at H {', '.join(map(str, hs))}" for d, hs in by_dir.items() if hs)
+
+
 def toml_text(rows, widths, arch, device_name, limits=None, keep=None) -> str:
-    """The route table of `rows` at `widths`; keep: (windows, stamp) of an earlier table's other
-    widths (kept_windows), written after a header line naming them."""
+    """The route table of `rows` at `widths` (each width's directions that rows measure); keep:
+    (windows, stamp) of an earlier table's other widths and directions (kept_windows), written
+    after a header line naming both."""
     lines = [f"# Routes for {arch} chosen by benchmarks/tune_routes.py on {device_name},",
              f"# {time.strftime('%Y-%m-%d')}: the fastest candidate inside {WORST_LIMIT} of the dw "
              f"budget (its worst x sqrt(window end / T) x {INPUT_MARGIN}) at each grid T",
@@ -174,18 +188,24 @@ def toml_text(rows, widths, arch, device_name, limits=None, keep=None) -> str:
              "# point to the next. `measured` keeps the figures that chose it. Generated; reviewed, "
              "then committed."]
     kept, stamp = keep or ([], "")
+    measured = {(r["H"], r["direction"]) for r in rows if r["H"] in widths}
+    kept_parts = {(h, o["direction"]) for o in kept for h in o["H"]}
     if kept:
-        others = sorted({h for o in kept for h in o["H"]})
-        lines.append(f"# H {', '.join(map(str, widths))} measured in this run; H "
-                     f"{', '.join(map(str, others))} kept from the run of {stamp}")
+        lines.append(f"# {_parts_text(measured)} measured in this run; {_parts_text(kept_parts)} kept "
+                     f"from the run of {stamp}")
     lines.append("")
-    for hidden in sorted(set(widths) | {h for o in kept for h in o["H"]}):
-        if hidden not in widths:
-            for o in (o for o in kept if hidden in o["H"]):
-                lines += _override_lines(arch, o["backend"], o["direction"], hidden, o["first"],
-                                         o.get("last"), o["program"], o["measured"])
-            continue
-        for backend, direction in (("all", "fwd"), ("det", "bwd"), ("fast", "bwd")):
+    for hidden in sorted({h for h, _ in measured | kept_parts}):
+        for backend, direction in DIRECTION_TABLES:
+            if (hidden, direction) not in measured:
+                olds = [o for o in kept if hidden in o["H"] and o["direction"] == direction
+                        and o["backend"] == backend]
+                if not olds:
+                    raise SystemExit(f"H {hidden} {direction}: not measured in this run, and no --keep "
+                                     f"table gives its windows")
+                for o in olds:
+                    lines += _override_lines(arch, backend, direction, hidden, o["first"], o.get("last"),
+                                             o["program"], o["measured"])
+                continue
             pts = winners(rows, hidden, "det" if backend == "all" else backend, direction, limits)
             for first, last, program, notes in windows(pts):
                 lines += _override_lines(arch, backend, direction, hidden, first, last, program,
@@ -196,7 +216,8 @@ def toml_text(rows, widths, arch, device_name, limits=None, keep=None) -> str:
 def write_table(rows, widths, arch, device_name, out: Path, keep_from: str = "") -> Path:
     reg = load_registry()
     limits = {name: p.max_tokens for name, p in reg.programs.items()}
-    keep = kept_windows(Path(keep_from), widths) if keep_from else None
+    measured = {(r["H"], r["direction"]) for r in rows if r["H"] in widths}
+    keep = kept_windows(Path(keep_from), measured) if keep_from else None
     if keep:
         gone = sorted({o["program"] for o in keep[0]} - set(reg.programs))
         if gone:
@@ -219,7 +240,8 @@ def main(argv=None) -> int:
                          "list, e.g. runs over different --widths of one library folder)")
     ap.add_argument("--keep", default="", metavar="TABLE",
                     help="an earlier route table (e.g. the committed one): its windows of the widths "
-                         "this run does not measure are written unchanged beside the new ones")
+                         "and directions this run does not measure (a library folder of forward "
+                         "programs only measures the forward) are written unchanged beside the new ones")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

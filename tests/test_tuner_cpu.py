@@ -142,6 +142,14 @@ def test_merging_runs_of_different_devices_is_refused(tmp_path):
         tune_routes.main(["--from-json", ",".join(files), "--out", str(tmp_path / "out")])
 
 
+def _table_from(tmp_path, rows, *extra):
+    """Run the tuner on `rows` (a run.json) with `extra` arguments; the table it wrote, as text."""
+    (tmp_path / "run.json").write_text(json.dumps({"arch": "sm_90a", "device": "GPU", "rows": rows}))
+    assert tune_routes.main(["--from-json", str(tmp_path / "run.json"), *extra,
+                             "--out", str(tmp_path / "out")]) == 0
+    return (tmp_path / "out" / "sm_90a.toml").read_text()
+
+
 def test_a_run_over_some_widths_keeps_the_other_widths_of_an_earlier_table(tmp_path):
     """--keep: the earlier table's windows of the widths this run did not measure are written
     unchanged; the measured width's windows are this run's, and the header names both."""
@@ -152,10 +160,7 @@ def test_a_run_over_some_widths_keeps_the_other_widths_of_an_earlier_table(tmp_p
     for r in rows:
         if r["program"] == "det_column_task_c64s8":
             r["ms"] = 0.1  # now fastest at every T of H 8192
-    (tmp_path / "run.json").write_text(json.dumps({"arch": "sm_90a", "device": "GPU", "rows": rows}))
-    assert tune_routes.main(["--from-json", str(tmp_path / "run.json"), "--keep", str(earlier),
-                             "--out", str(tmp_path / "out")]) == 0
-    text = (tmp_path / "out" / "sm_90a.toml").read_text()
+    text = _table_from(tmp_path, rows, "--keep", str(earlier))
     assert "# H 8192 measured in this run; H 4096 kept from the run of 2026-01-02" in text
     new = tomllib.loads(text)["override"]
     old = tomllib.loads(earlier.read_text())["override"]
@@ -172,3 +177,27 @@ def test_keep_refuses_a_table_that_names_programs_no_longer_in_the_registry(tmp_
     with pytest.raises(SystemExit, match="det_pair_gone"):
         tune_routes.main(["--from-json", str(tmp_path / "run.json"), "--keep", str(earlier),
                           "--out", str(tmp_path / "out")])
+
+
+def test_a_forward_only_run_keeps_the_earlier_tables_backward_windows(tmp_path):
+    """--keep at direction level: a run that timed forward programs only writes its forward windows
+    and the earlier table's backward windows of the same width, and says which is which."""
+    earlier = tmp_path / "earlier.toml"
+    earlier.write_text("# 2026-01-02: earlier run\n" + tune_routes.toml_text(_rows(4096), [4096], "sm_90a", "GPU"))
+    rows = [r for r in _rows(4096) if r["direction"] == "fwd"]
+    for r in rows:
+        if r["program"] == "fwd_rows8":
+            r["ms"] = 0.5  # now fastest at every T
+    text = _table_from(tmp_path, rows, "--keep", str(earlier))
+    assert "# fwd at H 4096 measured in this run; bwd at H 4096 kept from the run of 2026-01-02" in text
+    new = tomllib.loads(text)["override"]
+    old = tomllib.loads(earlier.read_text())["override"]
+    assert [o for o in new if o["direction"] == "bwd"] == [o for o in old if o["direction"] == "bwd"]
+    assert [o["program"] for o in new if o["direction"] == "fwd"] == ["fwd_rows8"]
+
+
+def test_a_forward_only_run_without_keep_says_what_is_missing(tmp_path):
+    rows = [r for r in _rows(4096) if r["direction"] == "fwd"]
+    (tmp_path / "run.json").write_text(json.dumps({"arch": "sm_90a", "device": "GPU", "rows": rows}))
+    with pytest.raises(SystemExit, match="H 4096 bwd: not measured"):
+        tune_routes.main(["--from-json", str(tmp_path / "run.json"), "--out", str(tmp_path / "out")])

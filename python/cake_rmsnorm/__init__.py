@@ -16,9 +16,10 @@ __all__ = ["rms_norm", "RMSNorm", "__version__"]
 def __getattr__(name):
     # Lazy: the op and the module import torch, which a build machine need not have.
     if name == "rms_norm":
-        from .ops import rms_norm
-        return rms_norm
-    if name == "RMSNorm":
-        from .module import RMSNorm
-        return RMSNorm
-    raise AttributeError(f"module 'cake_rmsnorm' has no attribute {name!r}")
+        from .ops import rms_norm as value
+    elif name == "RMSNorm":
+        from .module import RMSNorm as value
+    else:
+        raise AttributeError(f"module 'cake_rmsnorm' has no attribute {name!r}")
+    globals()[name] = value  # later lookups (cake_rmsnorm.rms_norm in a training step) skip this
+    return value

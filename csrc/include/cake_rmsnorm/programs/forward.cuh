@@ -1,20 +1,26 @@
-/* Forward: two programs forms over one row math (forward_row), so they give the same bits.
+/* Forward: three program forms over one row layout and one order of operations, so they give the
+ * same bits.
  *
- *   cake::Forward<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock, kWeightAhead>
- *     A block holds min(kRowsPerBlock, 1024 / threads per row) row groups; group g of block b
- *     normalises row b*rows + g, loading its vectors straight from global memory.
- *     grid = ceil(T / rows). kWeightAhead 1: the weight is loaded with x, before the reduction.
+ *   cake::Forward<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock, kWeightAhead, kRowsPerThread>
+ *     A block holds rows = min(kRowsPerBlock, 1024 / threads per row) row groups; group g of block
+ *     b normalises rows b*rows*kRowsPerThread + g + i*rows (i < kRowsPerThread), loading all their
+ *     vectors straight from global memory before the first is reduced (more bytes in flight where
+ *     a row is one warp's 16-byte vectors). grid = ceil(T / (rows * kRowsPerThread)).
+ *     kWeightAhead 1: the weight is loaded with x, before the reduction.
+ *   cake::ForwardSplit<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock, kWeightAhead>
+ *     Forward's rows with two threads per layout thread (half the registers each, twice the
+ *     threads a row); the sum of squares is handed from the first to the second of each pair.
  *   cake::ForwardRing<H, WeightT, kResidual, kReduction (fp32), kBlocksPerSm>
  *     Persistent: a block is one row group; grid = sm_count * min(kBlocksPerSm, resident blocks),
  *     block b takes rows b, b + grid, ... through a ring of the next rows in shared memory
  *     (row_ring.cuh: 5 rows of x ahead, or 2 rows of x and residual), so DRAM stays busy while a
  *     row is reduced and written.
  *
- * Row layout: FwdLayout<H> (at most 4 16-byte vectors per thread, coalesced) in both forms.
+ * Row layout: FwdLayout<H> (at most 4 16-byte vectors per thread, coalesced) in every form.
  * Math (FP32): h = bf16(x + r) (written to residual_out), ss = Σ h² in a fixed order (per thread
  * in index order, xor butterfly, warps in order), rstd = 1 / sqrtf(ss / H + eps) (correctly rounded:
  * built with --prec-div=true --prec-sqrt=true), y = bf16((h·rstd)·w). The order is fixed by the
- * layout, which both forms share, so y and rstd are bitwise reproducible and independent of the
+ * layout, which every form shares, so y and rstd are bitwise reproducible and independent of the
  * launch and of the form.
  */
 #ifndef CAKE_RMSNORM_PROGRAMS_FORWARD_CUH
@@ -35,6 +41,38 @@ __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) forward_kernel(con
   P::run(a);
 }
 
+// One vector of a row: h = bf16(x + r) into vh (x itself without residual), and h's squares
+// added to ss in index order. Every forward form sums a row through this, in the layout's order.
+template <bool kRes>
+__device__ __forceinline__ void add_squares(uint4& vh, const uint4& vr, float& ss) {
+  float fh[kVec];
+  if constexpr (kRes) {
+    float fr[kVec];
+    unpack8(vh, fh);
+    unpack8(vr, fr);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) fh[e] = fh[e] + fr[e];
+    vh = pack8(fh);
+  }
+  unpack8(vh, fh);
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) ss += fh[e] * fh[e];
+}
+
+// One vector of a row's outputs: h to residual_out (with residual), then y = bf16((h·rstd)·w) with
+// w from load_w(fw) (after that store, as ptxas best schedules the residual forms).
+template <bool kRes, class LoadW>
+__device__ __forceinline__ void store_outputs(bf16* y, bf16* ro, int v, const uint4& vh, float rstd,
+                                              LoadW&& load_w) {
+  if constexpr (kRes) st_vec(ro, v, vh);
+  float fh[kVec], fw[kVec], fy[kVec];
+  unpack8(vh, fh);
+  load_w(fw);
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) fy[e] = (fh[e] * rstd) * fw[e];
+  st_vec(y, v, pack8(fy));
+}
+
 // One row: vx (and vr) are this thread's vectors of x (and residual). Every thread of the block
 // calls it (group_sum's barriers); `active` = the row exists.
 // weight(k, fw): this thread's k-th weight vector as 8 floats (row_weight.cuh: GlobalWeight loads it
@@ -46,19 +84,7 @@ __device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t ro
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < L::kVPT; ++k) {
-    if (!(active && L::valid(k, t))) continue;
-    float fh[kVec];
-    if constexpr (kRes) {
-      float fr[kVec];
-      unpack8(vh[k], fh);
-      unpack8(vr[k], fr);
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) fh[e] = fh[e] + fr[e];
-      vh[k] = pack8(fh);  // h = bf16(x + r)
-    }
-    unpack8(vh[k], fh);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) ss += fh[e] * fh[e];
+    if (active && L::valid(k, t)) add_squares<kRes>(vh[k], vr[k], ss);
   }
   ss = group_sum<L::kWarps>(ss, scratch, warp, warp0);
   if (!active) return;
@@ -69,25 +95,21 @@ __device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t ro
   bf16* ro = kRes ? static_cast<bf16*>(a.residual_out) + off : nullptr;
 #pragma unroll
   for (int k = 0; k < L::kVPT; ++k) {
-    if (!L::valid(k, t)) continue;
-    if constexpr (kRes) st_vec(ro, L::vec(k, t), vh[k]);
-    float fh[kVec], fw[kVec], fy[kVec];
-    unpack8(vh[k], fh);
-    weight(k, fw);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) fy[e] = (fh[e] * rstd) * fw[e];
-    st_vec(y, L::vec(k, t), pack8(fy));
+    if (L::valid(k, t))
+      store_outputs<kRes>(y, ro, L::vec(k, t), vh[k], rstd, [&](float (&fw)[kVec]) { weight(k, fw); });
   }
 }
 
-template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead>
+template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead, int kRowsPerThread>
 struct Forward {
   static_assert(kR == Reduction::kFp32, "forward: reduction must be fp32");
   static_assert(kRowsPerBlock >= 1 && kRowsPerBlock <= 32, "rows_per_block out of range");
   static_assert(kWeightAhead == 0 || kWeightAhead == 1, "weight_ahead must be 0 or 1");
+  static_assert(kRowsPerThread >= 1 && kRowsPerThread <= 8, "rows_per_thread out of range");
   using L = FwdLayout<H>;
   static constexpr int kRows = cmin(kRowsPerBlock, 1024 / L::kTPR);  // row groups per block
   static constexpr int kThreads = kRows * L::kTPR;
+  static constexpr int kBlockRows = kRows * kRowsPerThread;  // group g: rows g, g + kRows, ...
   // <= 64 registers; weight_ahead holds 8 * kVPT more floats: <= 96
   static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * (kWeightAhead ? 96 : 64)));
   static constexpr int kHidden = H;
@@ -99,31 +121,145 @@ struct Forward {
     float* scratch = reinterpret_cast<float*>(dyn_smem());
     const int g = threadIdx.x / L::kTPR;
     const int t = threadIdx.x % L::kTPR;
+    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kBlockRows + g;
+    const W* w = static_cast<const W*>(a.weight);
+    if constexpr (!kWeightAhead) prefetch_weight_small_t<L>(w, t, a.T);
+    // every row's vectors are loaded before the first row is reduced
+    uint4 vh[kRowsPerThread][L::kVPT], vr[kRowsPerThread][L::kVPT];
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t row = row0 + i * kRows;
+      const bool active = kBlockRows == 1 || row < a.T;  // one row a block: grid = T, every row exists
+      const int64_t off = active ? row * H : 0;
+      const bf16* x = static_cast<const bf16*>(a.x) + off;
+      const bf16* r = kRes ? static_cast<const bf16*>(a.residual) + off : nullptr;
+#pragma unroll
+      for (int k = 0; k < L::kVPT; ++k) {
+        const bool live = active && L::valid(k, t);
+        vh[i][k] = live ? ld_vec(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+        vr[i][k] = kRes && live ? ld_vec(r, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+      }
+    }
+    using Weight = typename std::conditional<kWeightAhead != 0, HeldWeight<L, W>, GlobalWeight<L, W>>::type;
+    const Weight weight{w, t};
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int64_t row = row0 + i * kRows;
+      forward_row<H, L, W, kRes>(a, row, kBlockRows == 1 || row < a.T, vh[i], vr[i], t, scratch,
+                                 threadIdx.x / kWarpSize, g * L::kWarps, weight);
+    }
+  }
+
+  static cudaError_t launch(const cake_fwd_args_t& a, cudaStream_t s) {
+    if (a.T <= 0) return cudaSuccess;
+    const int64_t blocks = (a.T + kBlockRows - 1) / kBlockRows;
+    if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+    forward_kernel<Forward><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, s>>>(a);
+    return cudaSuccess;
+  }
+};
+
+// forward_row's row with twice the threads: the layout's thread t is two threads, t (its vectors
+// k < kHalf) and t + kTPR (the rest), so each holds half the registers and twice the blocks fit an
+// SM. t's running sum of squares is handed to t + kTPR through shared memory, which continues the
+// same chain over its vectors; those threads then sum over the row as forward_row's warps do. The
+// same operations in the same order: y, h and rstd have forward_row's bits.
+template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead>
+struct ForwardSplit {
+  static_assert(kR == Reduction::kFp32, "forward: reduction must be fp32");
+  static_assert(kWeightAhead == 0 || kWeightAhead == 1, "weight_ahead must be 0 or 1");
+  using L = FwdLayout<H>;
+  static constexpr int kHalf = (L::kVPT + 1) / 2;  // vectors of the first thread of a pair
+  static constexpr int kGroupThreads = 2 * L::kTPR;
+  static_assert(kGroupThreads <= 1024, "forward_split: a row's threads must fit a block");
+  static constexpr int kRows = cmin(kRowsPerBlock, 1024 / kGroupThreads);
+  static constexpr int kThreads = kRows * kGroupThreads;
+  // <= 32 registers (x: 4 per vector); weight_ahead holds 8 more floats a vector: <= 64
+  static constexpr int kMinBlocks = cmax(1, 65536 / (kThreads * (kWeightAhead ? 64 : 32)));
+  static constexpr int kHidden = H;
+  static constexpr bool kResidual = kRes;
+  using WeightT = W;
+  static constexpr int kChainBytes = 512 * 4;  // a float per thread pair, up to 1024 threads
+  static constexpr int kSmemBytes = kChainBytes + kReduceScratchBytes;
+
+  static __device__ __forceinline__ void run(const cake_fwd_args_t& a) {
+    float* chain = reinterpret_cast<float*>(dyn_smem());
+    float* scratch = reinterpret_cast<float*>(dyn_smem() + kChainBytes);
+    const int g = threadIdx.x / kGroupThreads;
+    const int u = threadIdx.x % kGroupThreads;
+    const int half = u / L::kTPR;
+    const int t = u % L::kTPR;
+    const int k0 = half * kHalf;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * kRows + g;
-    const bool active = kRows == 1 || row < a.T;  // one row a block: grid = T, every row exists
+    const bool active = kRows == 1 || row < a.T;
     const int64_t off = active ? row * H : 0;
     const bf16* x = static_cast<const bf16*>(a.x) + off;
     const bf16* r = kRes ? static_cast<const bf16*>(a.residual) + off : nullptr;
     const W* w = static_cast<const W*>(a.weight);
     if constexpr (!kWeightAhead) prefetch_weight_small_t<L>(w, t, a.T);
-    uint4 vh[L::kVPT], vr[L::kVPT];
+    // this thread's vectors k0, k0 + 1, ... (live: in the layout and in this half)
+    uint4 vh[kHalf], vr[kHalf];
+    float fw_held[kWeightAhead ? kHalf : 1][kVec];
 #pragma unroll
-    for (int k = 0; k < L::kVPT; ++k) {
-      const bool live = active && L::valid(k, t);
-      vh[k] = live ? ld_vec(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
-      vr[k] = kRes && live ? ld_vec(r, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < kHalf; ++j) {
+      const int k = k0 + j;
+      const bool live = active && k < L::kVPT && L::valid(k, t);
+      vh[j] = live ? ld_vec(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+      vr[j] = kRes && live ? ld_vec(r, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+      if constexpr (kWeightAhead) {
+        if (live) ld_w8(w, L::vec(k, t), fw_held[j]);
+      }
     }
-    using Weight = typename std::conditional<kWeightAhead != 0, HeldWeight<L, W>, GlobalWeight<L, W>>::type;
-    const Weight weight{w, t};
-    forward_row<H, L, W, kRes>(a, row, active, vh, vr, t, scratch, threadIdx.x / kWarpSize, g * L::kWarps,
-                               weight);
+    float ss = 0.f;
+    auto add_own_squares = [&] {
+#pragma unroll
+      for (int j = 0; j < kHalf; ++j) {
+        const int k = k0 + j;
+        if (active && k < L::kVPT && L::valid(k, t)) add_squares<kRes>(vh[j], vr[j], ss);
+      }
+    };
+    if (half == 0) {
+      add_own_squares();
+      chain[g * L::kTPR + t] = ss;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x % kWarpSize;
+    float* sums = scratch + g * L::kWarps;
+    if (half == 1) {
+      ss = chain[g * L::kTPR + t];
+      add_own_squares();
+      ss = warp_sum(ss);
+      if (lane == 0) sums[t / kWarpSize] = ss;
+    }
+    __syncthreads();
+    if (!active) return;
+    float total = sums[0];
+#pragma unroll
+    for (int i = 1; i < L::kWarps; ++i) total += sums[i];
+    const float rstd = 1.0f / sqrtf(total / static_cast<float>(H) + a.eps);
+    if (u == 0) a.rstd[row] = rstd;
+    bf16* y = static_cast<bf16*>(a.y) + off;
+    bf16* ro = kRes ? static_cast<bf16*>(a.residual_out) + off : nullptr;
+#pragma unroll
+    for (int j = 0; j < kHalf; ++j) {
+      const int k = k0 + j;
+      if (!(k < L::kVPT && L::valid(k, t))) continue;
+      store_outputs<kRes>(y, ro, L::vec(k, t), vh[j], rstd, [&](float (&fw)[kVec]) {
+        if constexpr (kWeightAhead) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) fw[e] = fw_held[j][e];
+        } else {
+          ld_w8(w, L::vec(k, t), fw);
+        }
+      });
+    }
   }
 
   static cudaError_t launch(const cake_fwd_args_t& a, cudaStream_t s) {
     if (a.T <= 0) return cudaSuccess;
     const int64_t blocks = (a.T + kRows - 1) / kRows;
     if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
-    forward_kernel<Forward><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, s>>>(a);
+    forward_kernel<ForwardSplit><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, s>>>(a);
     return cudaSuccess;
   }
 };
