@@ -158,6 +158,11 @@ def _override_lines(arch, backend, direction, hidden, first, last, program, meas
 DIRECTION_TABLES = (("all", "fwd"), ("det", "bwd"), ("fast", "bwd"))  # (backend, direction), in table order
 
 
+def measured_parts(rows, widths):
+    """The (width, direction)s that `rows` measure at `widths`."""
+    return {(r["H"], r["direction"]) for r in rows if r["H"] in widths}
+
+
 def kept_windows(path: Path, measured):
     """The windows of an earlier table (e.g. the committed one) for the (width, direction)s not in
     `measured`, and the date its header gives."""
@@ -188,7 +193,7 @@ def toml_text(rows, widths, arch, device_name, limits=None, keep=None) -> str:
              "# point to the next. `measured` keeps the figures that chose it. Generated; reviewed, "
              "then committed."]
     kept, stamp = keep or ([], "")
-    measured = {(r["H"], r["direction"]) for r in rows if r["H"] in widths}
+    measured = measured_parts(rows, widths)
     kept_parts = {(h, o["direction"]) for o in kept for h in o["H"]}
     if kept:
         lines.append(f"# {_parts_text(measured)} measured in this run; {_parts_text(kept_parts)} kept "
@@ -216,8 +221,7 @@ def toml_text(rows, widths, arch, device_name, limits=None, keep=None) -> str:
 def write_table(rows, widths, arch, device_name, out: Path, keep_from: str = "") -> Path:
     reg = load_registry()
     limits = {name: p.max_tokens for name, p in reg.programs.items()}
-    measured = {(r["H"], r["direction"]) for r in rows if r["H"] in widths}
-    keep = kept_windows(Path(keep_from), measured) if keep_from else None
+    keep = kept_windows(Path(keep_from), measured_parts(rows, widths)) if keep_from else None
     if keep:
         gone = sorted({o["program"] for o in keep[0]} - set(reg.programs))
         if gone:

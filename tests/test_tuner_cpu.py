@@ -142,11 +142,15 @@ def test_merging_runs_of_different_devices_is_refused(tmp_path):
         tune_routes.main(["--from-json", ",".join(files), "--out", str(tmp_path / "out")])
 
 
-def _table_from(tmp_path, rows, *extra):
-    """Run the tuner on `rows` (a run.json) with `extra` arguments; the table it wrote, as text."""
+def _tune(tmp_path, rows, *extra):
+    """The tuner on `rows` (written as a run.json) with `extra` arguments: its exit status."""
     (tmp_path / "run.json").write_text(json.dumps({"arch": "sm_90a", "device": "GPU", "rows": rows}))
-    assert tune_routes.main(["--from-json", str(tmp_path / "run.json"), *extra,
-                             "--out", str(tmp_path / "out")]) == 0
+    return tune_routes.main(["--from-json", str(tmp_path / "run.json"), *extra, "--out", str(tmp_path / "out")])
+
+
+def _table_from(tmp_path, rows, *extra):
+    """The table the tuner wrote from `rows`, as text."""
+    assert _tune(tmp_path, rows, *extra) == 0
     return (tmp_path / "out" / "sm_90a.toml").read_text()
 
 
@@ -173,10 +177,8 @@ def test_keep_refuses_a_table_that_names_programs_no_longer_in_the_registry(tmp_
     earlier = tmp_path / "earlier.toml"
     earlier.write_text(tune_routes.toml_text(_rows(4096), [4096], "sm_90a", "GPU")
                        .replace('"det_pair_ts_c64"', '"det_pair_gone"'))
-    (tmp_path / "run.json").write_text(json.dumps({"arch": "sm_90a", "device": "GPU", "rows": _rows(8192)}))
     with pytest.raises(SystemExit, match="det_pair_gone"):
-        tune_routes.main(["--from-json", str(tmp_path / "run.json"), "--keep", str(earlier),
-                          "--out", str(tmp_path / "out")])
+        _tune(tmp_path, _rows(8192), "--keep", str(earlier))
 
 
 def test_a_forward_only_run_keeps_the_earlier_tables_backward_windows(tmp_path):
@@ -197,7 +199,5 @@ def test_a_forward_only_run_keeps_the_earlier_tables_backward_windows(tmp_path):
 
 
 def test_a_forward_only_run_without_keep_says_what_is_missing(tmp_path):
-    rows = [r for r in _rows(4096) if r["direction"] == "fwd"]
-    (tmp_path / "run.json").write_text(json.dumps({"arch": "sm_90a", "device": "GPU", "rows": rows}))
     with pytest.raises(SystemExit, match="H 4096 bwd: not measured"):
-        tune_routes.main(["--from-json", str(tmp_path / "run.json"), "--out", str(tmp_path / "out")])
+        _tune(tmp_path, [r for r in _rows(4096) if r["direction"] == "fwd"])

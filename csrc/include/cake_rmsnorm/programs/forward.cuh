@@ -124,13 +124,15 @@ struct Forward {
     const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kBlockRows + g;
     const W* w = static_cast<const W*>(a.weight);
     if constexpr (!kWeightAhead) prefetch_weight_small_t<L>(w, t, a.T);
+    // this group's i-th row, and whether it exists (one row a block: grid = T, every row does)
+    auto row_of = [&](int i) { return row0 + i * kRows; };
+    auto exists = [&](int i) { return kBlockRows == 1 || row_of(i) < a.T; };
     // every row's vectors are loaded before the first row is reduced
     uint4 vh[kRowsPerThread][L::kVPT], vr[kRowsPerThread][L::kVPT];
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const int64_t row = row0 + i * kRows;
-      const bool active = kBlockRows == 1 || row < a.T;  // one row a block: grid = T, every row exists
-      const int64_t off = active ? row * H : 0;
+      const bool active = exists(i);
+      const int64_t off = active ? row_of(i) * H : 0;
       const bf16* x = static_cast<const bf16*>(a.x) + off;
       const bf16* r = kRes ? static_cast<const bf16*>(a.residual) + off : nullptr;
 #pragma unroll
@@ -144,9 +146,8 @@ struct Forward {
     const Weight weight{w, t};
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const int64_t row = row0 + i * kRows;
-      forward_row<H, L, W, kRes>(a, row, kBlockRows == 1 || row < a.T, vh[i], vr[i], t, scratch,
-                                 threadIdx.x / kWarpSize, g * L::kWarps, weight);
+      forward_row<H, L, W, kRes>(a, row_of(i), exists(i), vh[i], vr[i], t, scratch, threadIdx.x / kWarpSize,
+                                 g * L::kWarps, weight);
     }
   }
 
@@ -160,8 +161,8 @@ struct Forward {
 };
 
 // forward_row's row with twice the threads: the layout's thread t is two threads, t (its vectors
-// k < kHalf) and t + kTPR (the rest), so each holds half the registers and twice the blocks fit an
-// SM. t's running sum of squares is handed to t + kTPR through shared memory, which continues the
+// k < kHalf) and t + kTPR (the rest), so each holds half the registers (32; a row of H 8192 is
+// then 512 threads, 4 rows an SM: every warp slot used, where Forward's 64 registers fill half). t's running sum of squares is handed to t + kTPR through shared memory, which continues the
 // same chain over its vectors; those threads then sum over the row as forward_row's warps do. The
 // same operations in the same order: y, h and rstd have forward_row's bits.
 template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead>
