@@ -52,10 +52,15 @@ def inputs(hidden, tokens, wd, res, seed=0):
 
 
 class FwdCall:
-    """One forward launch of `lib` with preallocated outputs (capturable in a CUDA graph)."""
+    """One forward launch of `lib` with preallocated outputs (capturable in a CUDA graph); with
+    `like`, an earlier call on the same inputs, it writes that call's outputs (calls timed one
+    after another need one set of outputs between them, not one each)."""
 
-    def __init__(self, lib, x, r, w):
+    def __init__(self, lib, x, r, w, like=None):
         self.lib, self.x, self.r, self.w = lib, x, r, w
+        if like is not None:
+            self.y, self.h, self.rstd = like.y, like.h, like.rstd
+            return
         self.y = torch.empty_like(x)
         self.h = torch.empty_like(x) if r is not None else None
         self.rstd = torch.empty(x.shape[0], device="cuda", dtype=torch.float32)
@@ -67,14 +72,20 @@ class FwdCall:
 
 
 class BwdCall:
-    """One backward launch of `lib` (dx, dw, workspace preallocated; capturable in a CUDA graph)."""
+    """One backward launch of `lib` (dx, dw, workspace preallocated; capturable in a CUDA graph);
+    `like`: as FwdCall's (the workspace too, where it is large enough)."""
 
-    def __init__(self, lib, xn, dy, dh, w, rstd, sm_count, grid_cap=0):
+    def __init__(self, lib, xn, dy, dh, w, rstd, sm_count, grid_cap=0, like=None):
         self.lib, self.xn, self.dy, self.dh, self.w, self.rstd = lib, xn, dy, dh, w, rstd
         self.grid_cap = grid_cap
+        self.nbytes = lib.bwd_workspace_bytes(xn.shape[0], sm_count)
+        if like is not None:
+            self.dx, self.dw = like.dx, like.dw
+            self.ws = like.ws if like.ws.numel() >= self.nbytes else torch.empty(self.nbytes, device="cuda",
+                                                                                   dtype=torch.uint8)
+            return
         self.dx = torch.empty_like(xn)
         self.dw = torch.empty(xn.shape[1], device="cuda", dtype=w.dtype)
-        self.nbytes = lib.bwd_workspace_bytes(xn.shape[0], sm_count)
         self.ws = torch.empty(max(self.nbytes, 1), device="cuda", dtype=torch.uint8)
 
     def __call__(self):
