@@ -102,7 +102,7 @@ static void run_case(int64_t T) {
   x.n = r.n = dy.n = dres.n = y.n = ro.n = N; rstd.n = size_t(T);
   x.put(hx); r.put(hr); dy.put(hdy); dres.put(hdres); w.put(hw);
   cake_fwd_args_t fa{x.p, kRes ? r.p : nullptr, w.p, y.p, kRes ? ro.p : nullptr, rstd.p, T, 1e-6f};
-  CK(cudaError_t(cake::bind::fwd<cake::Forward<H, W, kRes, cake::Reduction::kFp32, 4, 0, 1>>(&fa, nullptr)));
+  CK(cudaError_t(cake::bind::fwd<cake::Forward<H, W, kRes, cake::Reduction::kFp32, 4, 0, 1, 0>>(&fa, nullptr)));
   CK(cudaDeviceSynchronize());
   auto hy = y.get(); auto hrs = rstd.get(); std::vector<uint16_t> hh = kRes ? ro.get() : hx;
   // forward reference

@@ -84,6 +84,21 @@ using FwdLayout = RowLayout<H, round_up(ceil_div(H / kVec, kFwdVecsPerThread), k
 __device__ __forceinline__ uint4 ld_vec(const bf16* row, int v) {
   return __ldg(reinterpret_cast<const uint4*>(row) + v);
 }
+// ld_vec with an L2 eviction priority (`policy` from l2_policy_evict_last): the forward reads x
+// and the residual once, yet loading them evict_last makes the L2 write back its dirty lines (y,
+// and what the kernel before left) first, which keeps DRAM streaming (forward.cuh, kL2EvictLast).
+__device__ __forceinline__ uint64_t l2_policy_evict_last() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ uint4 ld_vec_hinted(const bf16* row, int v, uint64_t policy) {
+  uint4 u;
+  asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+      : "l"(reinterpret_cast<const uint4*>(row) + v), "l"(policy));
+  return u;
+}
 __device__ __forceinline__ void st_vec(bf16* row, int v, uint4 u) {
   reinterpret_cast<uint4*>(row)[v] = u;
 }

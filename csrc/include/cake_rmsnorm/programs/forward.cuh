@@ -1,13 +1,15 @@
 /* Forward: three program forms over one row layout and one order of operations, so they give the
  * same bits.
  *
- *   cake::Forward<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock, kWeightAhead, kRowsPerThread>
+ *   cake::Forward<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock, kWeightAhead, kRowsPerThread,
+ *                 kL2EvictLast>
  *     A block holds rows = min(kRowsPerBlock, 1024 / threads per row) row groups; group g of block
  *     b normalises rows b*rows*kRowsPerThread + g + i*rows (i < kRowsPerThread), loading all their
  *     vectors straight from global memory before the first is reduced (more bytes in flight where
  *     a row is one warp's 16-byte vectors). grid = ceil(T / (rows * kRowsPerThread)).
  *     kWeightAhead 1: the weight is loaded with x, before the reduction.
- *   cake::ForwardSplit<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock, kWeightAhead>
+ *     kL2EvictLast 1: x and the residual are loaded with an L2 evict_last policy (below).
+ *   cake::ForwardSplit<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock, kWeightAhead, kL2EvictLast>
  *     Forward's rows with two threads per layout thread (half the registers each, twice the
  *     threads a row); the sum of squares is handed from the first to the second of each pair.
  *   cake::ForwardRing<H, WeightT, kResidual, kReduction (fp32), kBlocksPerSm>
@@ -15,6 +17,12 @@
  *     block b takes rows b, b + grid, ... through a ring of the next rows in shared memory
  *     (row_ring.cuh: 5 rows of x ahead, or 2 rows of x and residual), so DRAM stays busy while a
  *     row is reduced and written.
+ *
+ * L2 eviction priority: x and the residual are read once, but loading them evict_last lets the L2
+ * evict (write back) its dirty lines first, so y's writes stream out alongside the reads. H200,
+ * interleaved with torch.compile's kernel (which also loads x evict_last): fwd_rows1 at H 8192,
+ * T 262144 1982 against 2066 us; 1-4% faster at H 1536-8192 from T 65536; at T 4096, where the
+ * rows fit in L2, 0-8% slower. So it is a program parameter and the tuner picks per window.
  *
  * Row layout: FwdLayout<H> (at most 4 16-byte vectors per thread, coalesced) in every form.
  * Math (FP32): h = bf16(x + r) (written to residual_out), ss = Σ h² in a fixed order (per thread
@@ -35,6 +43,16 @@
 #include "cake_rmsnorm/smem_mode.cuh"
 
 namespace cake {
+
+// A vector of x or the residual, with kL2EvictLast's policy or without.
+template <int kL2EvictLast>
+struct InputLoad {
+  static_assert(kL2EvictLast == 0 || kL2EvictLast == 1, "l2_evict_last must be 0 or 1");
+  uint64_t policy = kL2EvictLast ? l2_policy_evict_last() : 0;
+  __device__ __forceinline__ uint4 operator()(const bf16* row, int v) const {
+    return kL2EvictLast ? ld_vec_hinted(row, v, policy) : ld_vec(row, v);
+  }
+};
 
 template <class P>
 __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) forward_kernel(const cake_fwd_args_t a) {
@@ -100,7 +118,8 @@ __device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t ro
   }
 }
 
-template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead, int kRowsPerThread>
+template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead, int kRowsPerThread,
+          int kL2EvictLast>
 struct Forward {
   static_assert(kR == Reduction::kFp32, "forward: reduction must be fp32");
   static_assert(kRowsPerBlock >= 1 && kRowsPerBlock <= 32, "rows_per_block out of range");
@@ -127,6 +146,7 @@ struct Forward {
     // this group's i-th row, and whether it exists (one row a block: grid = T, every row does)
     auto row_of = [&](int i) { return row0 + i * kRows; };
     auto exists = [&](int i) { return kBlockRows == 1 || row_of(i) < a.T; };
+    const InputLoad<kL2EvictLast> load;
     // every row's vectors are loaded before the first row is reduced
     uint4 vh[kRowsPerThread][L::kVPT], vr[kRowsPerThread][L::kVPT];
 #pragma unroll
@@ -138,8 +158,8 @@ struct Forward {
 #pragma unroll
       for (int k = 0; k < L::kVPT; ++k) {
         const bool live = active && L::valid(k, t);
-        vh[i][k] = live ? ld_vec(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
-        vr[i][k] = kRes && live ? ld_vec(r, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+        vh[i][k] = live ? load(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+        vr[i][k] = kRes && live ? load(r, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
       }
     }
     using Weight = typename std::conditional<kWeightAhead != 0, HeldWeight<L, W>, GlobalWeight<L, W>>::type;
@@ -165,7 +185,7 @@ struct Forward {
 // then 512 threads, 4 rows an SM: every warp slot used, where Forward's 64 registers fill half). t's running sum of squares is handed to t + kTPR through shared memory, which continues the
 // same chain over its vectors; those threads then sum over the row as forward_row's warps do. The
 // same operations in the same order: y, h and rstd have forward_row's bits.
-template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead>
+template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead, int kL2EvictLast>
 struct ForwardSplit {
   static_assert(kR == Reduction::kFp32, "forward: reduction must be fp32");
   static_assert(kWeightAhead == 0 || kWeightAhead == 1, "weight_ahead must be 0 or 1");
@@ -198,6 +218,7 @@ struct ForwardSplit {
     const bf16* r = kRes ? static_cast<const bf16*>(a.residual) + off : nullptr;
     const W* w = static_cast<const W*>(a.weight);
     if constexpr (!kWeightAhead) prefetch_weight_small_t<L>(w, t, a.T);
+    const InputLoad<kL2EvictLast> load;
     // this thread's vectors k0, k0 + 1, ... (live: in the layout and in this half)
     uint4 vh[kHalf], vr[kHalf];
     float fw_held[kWeightAhead ? kHalf : 1][kVec];
@@ -205,8 +226,8 @@ struct ForwardSplit {
     for (int j = 0; j < kHalf; ++j) {
       const int k = k0 + j;
       const bool live = active && k < L::kVPT && L::valid(k, t);
-      vh[j] = live ? ld_vec(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
-      vr[j] = kRes && live ? ld_vec(r, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+      vh[j] = live ? load(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+      vr[j] = kRes && live ? load(r, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
       if constexpr (kWeightAhead) {
         if (live) ld_w8(w, L::vec(k, t), fw_held[j]);
       }
