@@ -55,8 +55,9 @@ INPUT_MARGIN = 2.0
 LAST_WINDOW_SPAN = 2.0
 # Candidates within TIE_REL of the fastest plus TIE_ABS_MS count as ties: the previous grid point's
 # winner keeps the window (fewer windows, det's bits change less often), else the fastest wins.
-# Interleaved replays agree to about 1% at large T and 0.1 us at small T; a flat 3% (the earlier
-# rule) kept H 6144's forward on a program 2% slower than the fastest from T 65536.
+# Identical kernels timed interleaved agree within about 1% at large T (timing.py); at a few
+# microseconds 0.1 us more counts too. A flat 3% (the earlier rule) kept H 6144's forward on a
+# program 1% slower than the fastest from T 65536.
 TIE_REL = 0.01
 TIE_ABS_MS = 0.0001
 
