@@ -21,7 +21,7 @@
  * L2 eviction priority: x and the residual are read once, but loading them evict_last lets the L2
  * evict (write back) its dirty lines first, so y's writes stream out alongside the reads. H200,
  * interleaved with torch.compile's kernel (which also loads x evict_last): fwd_rows1 at H 8192,
- * T 262144 1982 against 2066 us; 1-4% faster at H 1536-8192 from T 65536; at T 4096, where the
+ * T 262144 1982 against 2066 us; up to 4% faster at H 1536-8192 from T 65536; at T 4096, where the
  * rows fit in L2, 0-8% slower. So it is a program parameter and the tuner picks per window.
  *
  * Row layout: FwdLayout<H> (at most 4 16-byte vectors per thread, coalesced) in every form.
