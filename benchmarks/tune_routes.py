@@ -91,7 +91,7 @@ def measure_point(folder, index, reg, hidden, tokens, sm, plan=None):
     ref = accuracy.reference_dw(x, dy, rstd)
     rows = []
     for direction in ("fwd", "bwd"):
-        calls, worst, prev = {}, {}, None
+        calls, prev = {}, None  # name: (entry, call, its dw worst)
         for entry in candidates(index, hidden, direction, plan):
             if not allowed(entry, tokens, reg):
                 continue
@@ -100,13 +100,13 @@ def measure_point(folder, index, reg, hidden, tokens, sm, plan=None):
                            else BwdCall(lib, x, dy, None, w, rstd, sm, like=prev))
             call()
             torch.cuda.synchronize()
-            worst[entry["name"]] = accuracy.dw_errors(call.dw, ref)[0] if direction == "bwd" else 0.0
-            calls[entry["name"]] = (entry, call)
-        times = graph_times_ms({name: call for name, (_, call) in calls.items()}) if calls else {}
-        for name, (entry, _) in calls.items():
+            worst = accuracy.dw_errors(call.dw, ref)[0] if direction == "bwd" else 0.0
+            calls[entry["name"]] = (entry, call, worst)
+        times = graph_times_ms({name: c[1] for name, c in calls.items()}) if calls else {}
+        for name, (entry, _, worst) in calls.items():
             rows.append(dict(H=hidden, T=tokens, program=entry["program"], direction=direction,
                              form=entry["form"], deterministic=entry["deterministic"], ms=times[name],
-                             worst=worst[name]))
+                             worst=worst))
         del calls, prev
     del x, dy, w, rstd, ref
     torch.cuda.empty_cache()

@@ -59,6 +59,16 @@ __global__ void __launch_bounds__(P::kThreads, P::kMinBlocks) forward_kernel(con
   P::run(a);
 }
 
+// A block for every `rows` rows of T (Forward, ForwardSplit: grid = ceil(T / rows)).
+template <class P>
+cudaError_t launch_row_blocks(const cake_fwd_args_t& a, cudaStream_t s, int64_t rows) {
+  if (a.T <= 0) return cudaSuccess;
+  const int64_t blocks = ceil_div64(a.T, rows);
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+  forward_kernel<P><<<static_cast<unsigned>(blocks), P::kThreads, P::kSmemBytes, s>>>(a);
+  return cudaSuccess;
+}
+
 // One vector of a row: h = bf16(x + r) into vh (x itself without residual), and h's squares
 // added to ss in index order. Every forward form sums a row through this, in the layout's order.
 template <bool kRes>
@@ -172,17 +182,14 @@ struct Forward {
   }
 
   static cudaError_t launch(const cake_fwd_args_t& a, cudaStream_t s) {
-    if (a.T <= 0) return cudaSuccess;
-    const int64_t blocks = (a.T + kBlockRows - 1) / kBlockRows;
-    if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
-    forward_kernel<Forward><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, s>>>(a);
-    return cudaSuccess;
+    return launch_row_blocks<Forward>(a, s, kBlockRows);
   }
 };
 
 // forward_row's row with twice the threads: the layout's thread t is two threads, t (its vectors
 // k < kHalf) and t + kTPR (the rest), so each holds half the registers (32; a row of H 8192 is
-// then 512 threads, 4 rows an SM: every warp slot used, where Forward's 64 registers fill half). t's running sum of squares is handed to t + kTPR through shared memory, which continues the
+// then 512 threads, 4 rows an SM: every warp slot used, where Forward's 64 registers fill half).
+// t's running sum of squares is handed to t + kTPR through shared memory, which continues the
 // same chain over its vectors; those threads then sum over the row as forward_row's warps do. The
 // same operations in the same order: y, h and rstd have forward_row's bits.
 template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead, int kL2EvictLast>
@@ -278,11 +285,7 @@ struct ForwardSplit {
   }
 
   static cudaError_t launch(const cake_fwd_args_t& a, cudaStream_t s) {
-    if (a.T <= 0) return cudaSuccess;
-    const int64_t blocks = (a.T + kRows - 1) / kRows;
-    if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
-    forward_kernel<ForwardSplit><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, s>>>(a);
-    return cudaSuccess;
+    return launch_row_blocks<ForwardSplit>(a, s, kRows);
   }
 };
 
