@@ -10,6 +10,7 @@ to 12% at T 262144; interleaved, by at most 1.2%.)
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 from typing import Callable, Dict, Hashable
@@ -17,6 +18,35 @@ from typing import Callable, Dict, Hashable
 import torch
 
 L2_FLUSH_BYTES = 256 << 20
+
+
+class L2Flush:
+    """Empties the L2 before a timed replay: cudaCtxResetPersistingL2Cache, then a 256 MB write.
+
+    The write alone is not enough. Lines read under an L2 evict_last policy (our `_el` forwards,
+    torch.compile's first read of x) outlive it, so whatever was timed next read x from the L2
+    (ncu on the H200: torch.compile's H 256 T 4096 forward read 7.9 KB of its 2 MB after an `_el`
+    forward), and with replays interleaved in a fixed order that gain fell on the same neighbour
+    each time: programs timed alone read 0.5-2 us faster with the write only (H 1536 T 1024
+    fwd_rows1_wa_el 5.28 against 6.13 us, H 256 T 16384 fwd_rows8_wa_t2_el 7.39 against 8.35).
+    Resetting the persisting lines first returns them to normal priority, and the write evicts them.
+    """
+
+    def __init__(self, cudart=None, nbytes: int = L2_FLUSH_BYTES, device: str = "cuda") -> None:
+        if cudart is None:
+            from cake_rmsnorm.runtime.loader import ensure_cudart
+
+            cudart = ensure_cudart()
+        self._reset = cudart.cudaCtxResetPersistingL2Cache
+        self._reset.restype = ctypes.c_int
+        self._reset.argtypes = []
+        self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def __call__(self) -> None:
+        rc = self._reset()
+        if rc:
+            raise RuntimeError(f"cudaCtxResetPersistingL2Cache failed: CUDA error {rc}")
+        self._buffer.zero_()
 
 
 def _capture(fn) -> torch.cuda.CUDAGraph:
@@ -42,12 +72,12 @@ def _rotations(keys, reps: int):
 
 def graph_times_ms(fns: Dict[Hashable, Callable], reps: int = 20) -> Dict[Hashable, float]:
     """Median time of one call of each fn, replayed as a CUDA graph after an L2 flush, interleaved."""
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    flush = L2Flush()
     graphs = {key: _capture(fn) for key, fn in fns.items()}
     times: Dict[Hashable, list] = {key: [] for key in fns}
     for order in _rotations(fns, reps):
         for key in order:
-            flush.zero_()
+            flush()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graphs[key].replay()

@@ -144,21 +144,20 @@ def _launch_fwd(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
     tokens, hidden = x.shape
     y = _like(x)
     h = None if residual is None else _like(x)
-    rstd = x.new_empty((tokens,), dtype=torch.float32)
+    rstd = torch.empty((tokens,), dtype=torch.float32, device=x.device)
     if tokens == 0:
         return y, h, rstd
     x, x_ptr = _ready(x)
     weight, w_ptr = _ready(weight)
+    r_ptr = h_ptr = _NULL
+    if residual is not None:
+        residual, r_ptr = _ready(residual)
+        h_ptr = h.data_ptr()  # type: ignore[union-attr]
     index = x.get_device()
     lib, _ = _library(index, backend, "fwd", hidden, tokens, _WEIGHT_DTYPES[weight.dtype],
                       residual is not None)
-    if residual is None:
-        _on_device(index, lib.fwd, x_ptr, _NULL, w_ptr, y.data_ptr(), _NULL, rstd.data_ptr(),
-                   tokens, eps)
-    else:
-        residual, r_ptr = _ready(residual)
-        _on_device(index, lib.fwd, x_ptr, r_ptr, w_ptr, y.data_ptr(), h.data_ptr(),  # type: ignore
-                   rstd.data_ptr(), tokens, eps)
+    _on_device(index, lib.fwd, x_ptr, r_ptr, w_ptr, y.data_ptr(), h_ptr, rstd.data_ptr(), tokens,
+               eps)
     return y, h, rstd
 
 
@@ -279,6 +278,13 @@ class _Eager(torch.autograd.Function):
         return dx, (dx if ctx.residual else None), dw, None, None
 
 
+# _Eager.apply less Function.apply's Python preamble, which only serves functorch transforms (ruled
+# out by _eager()) and setup_context (which _Eager does not define): the C++ apply, with the
+# preamble's one other step, unwrapping dead functorch wrappers, done on the tensors here. A third
+# of apply's cost at T 128, where the step is host time.
+_apply_eager = super(torch.autograd.Function, _Eager).apply
+_unwrap_if_dead = getattr(torch._C._functorch, "unwrap_if_dead", lambda t: t)
+
 # Set False to send eager calls through the custom ops too (the env var sets it at import).
 EAGER_FAST_PATH: bool = os.environ.get("CAKE_RMSNORM_EAGER_CUSTOM_OP", "") in ("", "0")
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -315,7 +321,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Optional[Te
     x2, weight = rows(x), weight.contiguous()
     r2 = None if residual is None else rows(residual)
     if _eager(x, weight, residual):
-        out = _Eager.apply(x2, r2, weight, float(eps), backend)
+        out = _apply_eager(_unwrap_if_dead(x2), None if r2 is None else _unwrap_if_dead(r2),
+                           _unwrap_if_dead(weight), float(eps), backend)
         return back(out) if r2 is None else (back(out[0]), back(out[1]))
     if r2 is None:
         return back(_fwd(x2, weight, float(eps), backend)[0])
