@@ -25,12 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import OURS, available  # noqa: E402
 from report import markdown, plots  # noqa: E402
-from timing import copy_bandwidth_gbs, eager_times_ms, graph_times_ms  # noqa: E402
+from timing import (SMALL_T, copy_bandwidth_gbs, eager_times_ms, graph_times_ms,  # noqa: E402
+                    replays_for)
 
 EPS = 1e-6
-# Up to this T a point's kernels take microseconds and its eager steps fractions of a millisecond:
-# more graph replays (their times vary by tenths of a microsecond) and more eager calls per batch.
-SMALL_T = 16384
 
 
 def measure_point(impls, hidden, tokens):
@@ -42,12 +40,12 @@ def measure_point(impls, hidden, tokens):
     fwds = {name: (lambda impl=impl: impl(x, w, EPS)) for name, impl in impls.items()}
     steps = {name: (lambda impl=impl: torch.autograd.grad(impl(x, w, EPS), (x, w), dy))
              for name, impl in impls.items()}
-    small = tokens <= SMALL_T
-    reps = 60 if small else 20
+    reps = replays_for(tokens)
     with torch.no_grad():
         fwd_ms = graph_times_ms(fwds, reps)
     step_ms = graph_times_ms(steps, reps)
-    eager_ms = eager_times_ms(steps, reps=50 if small else 5)
+    # an eager step at small T is a fraction of a millisecond: more calls a batch
+    eager_ms = eager_times_ms(steps, reps=50 if tokens <= SMALL_T else 5)
     elems = tokens * hidden
     rows = []
     for name in impls:

@@ -1,16 +1,17 @@
 """GPU timing: CUDA-graph replay with L2 flushed (kernel time), eager wall time (host included),
 and the device's copy bandwidth, all measured in the same run.
 
-Implementations compared side by side are timed interleaved: each repetition replays (or calls) every
-one of them in turn, in an order that rotates, so clock, power and host-load drifts over the run land
-on all of them alike instead of on whichever ran at a bad moment; their graphs are all captured
-before any is timed. (Timed one after another on the H200, identical forward kernels differed by up
-to 12% at T 262144; interleaved, by at most 1.2%.)
+Implementations compared side by side are timed interleaved: each repetition replays (or calls)
+every one of them in turn, in an order that rotates (reshuffled every cycle), so clock, power and
+host-load drifts over the run land on all of them alike instead of on whichever ran at a bad moment;
+their graphs are all captured before any is timed. (Timed one after another on the H200, identical
+forward kernels differed by up to 12% at T 262144; interleaved, by at most 1.2%.)
 """
 
 from __future__ import annotations
 
 import ctypes
+import random
 import statistics
 import time
 from typing import Callable, Dict, Hashable
@@ -18,6 +19,13 @@ from typing import Callable, Dict, Hashable
 import torch
 
 L2_FLUSH_BYTES = 256 << 20
+# Up to this T a point's kernels take microseconds, and their graph replays vary by tenths of a
+# microsecond: more replays there (median of 60, else 20).
+SMALL_T = 16384
+
+
+def replays_for(tokens: int) -> int:
+    return 60 if tokens <= SMALL_T else 20
 
 
 class L2Flush:
@@ -30,6 +38,8 @@ class L2Flush:
     each time: programs timed alone read 0.5-2 us faster with the write only (H 1536 T 1024
     fwd_rows1_wa_el 5.28 against 6.13 us, H 256 T 16384 fwd_rows8_wa_t2_el 7.39 against 8.35).
     Resetting the persisting lines first returns them to normal priority, and the write evicts them.
+    Plain-load programs also timed faster with the write only (H 2048 T 4096 fwd_rows2_wa 11.55
+    against 12.99), so not all of the difference is evict_last lines: this is the colder figure.
     """
 
     def __init__(self, cudart=None, nbytes: int = L2_FLUSH_BYTES, device: str = "cuda") -> None:
@@ -62,11 +72,17 @@ def _capture(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _rotations(keys, reps: int):
-    """keys in turn, each repetition starting one further along."""
+def _rotations(keys, reps: int, seed: int = 0):
+    """keys in turn, each repetition starting one further along: over len(keys) repetitions every
+    key takes every place once. After each such cycle the keys are reshuffled (seeded), so a key is
+    not always timed after the same neighbour: whatever one replay leaves behind for the next
+    lands on a different one each cycle."""
     keys = list(keys)
+    rng = random.Random(seed)
     for rep in range(reps):
         k = rep % len(keys)
+        if rep and not k:
+            rng.shuffle(keys)
         yield keys[k:] + keys[:k]
 
 

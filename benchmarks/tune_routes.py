@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from library_calls import BwdCall, FwdCall, fp32_rstd, inputs, load_folder, open_entry  # noqa: E402
-from timing import graph_times_ms  # noqa: E402
+from timing import graph_times_ms, replays_for  # noqa: E402
 
 from cake_rmsnorm import accuracy  # noqa: E402
 from cake_rmsnorm.registry import LibraryKey, load_registry  # noqa: E402
@@ -102,7 +102,8 @@ def measure_point(folder, index, reg, hidden, tokens, sm, plan=None):
             torch.cuda.synchronize()
             worst = accuracy.dw_errors(call.dw, ref)[0] if direction == "bwd" else 0.0
             calls[entry["name"]] = (entry, call, worst)
-        times = graph_times_ms({name: c[1] for name, c in calls.items()}) if calls else {}
+        times = (graph_times_ms({name: c[1] for name, c in calls.items()}, replays_for(tokens))
+                 if calls else {})
         for name, (entry, _, worst) in calls.items():
             rows.append(dict(H=hidden, T=tokens, program=entry["program"], direction=direction,
                              form=entry["form"], deterministic=entry["deterministic"], ms=times[name],

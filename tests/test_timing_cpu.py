@@ -39,3 +39,16 @@ def test_flush_raises_when_the_reset_fails():
     with pytest.raises(RuntimeError, match=r"cudaCtxResetPersistingL2Cache failed: CUDA error 1"):
         flush()
     assert int(flush._buffer.count_nonzero()) == 64  # nothing timed on a half-flushed cache
+
+
+def test_interleaved_orders_balance_places_and_vary_neighbours():
+    keys = ["a", "b", "c", "d", "e"]
+    orders = list(timing._rotations(keys, 4 * len(keys)))
+    assert all(sorted(order) == keys for order in orders)
+    for cycle in range(4):  # every key in every place once per cycle of len(keys) repetitions
+        block = orders[cycle * len(keys):(cycle + 1) * len(keys)]
+        for place in range(len(keys)):
+            assert sorted(order[place] for order in block) == keys
+    before = {key: {order[i - 1] for order in orders for i in range(1, len(order)) if order[i] == key}
+              for key in keys}
+    assert all(len(neighbours) > 1 for neighbours in before.values()), before

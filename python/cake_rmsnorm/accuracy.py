@@ -136,8 +136,6 @@ def dw_errors(dw, ref):
 def measure(xn, w, dy, dh, out: dict, eps: float) -> Measure:
     """Compare one run (out: y, rstd, dx, dw; any may be missing) with the FP64 reference.
     xn: the normalised input (x, or h = x + residual); dh: the residual's own gradient or None."""
-    import torch
-
     tokens, hidden = xn.shape
     w64 = w.double()
     rstd_ref = reference_rstd(xn, eps)

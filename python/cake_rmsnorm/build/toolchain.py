@@ -190,6 +190,6 @@ def require_cuobjdump() -> Path:
     """cuobjdump for `verify`, which needs neither nvcc nor CMake."""
     found = find_cuobjdump()
     if found is None:
-        raise ToolchainError(f"cuobjdump not found (the nvidia-cuda-cuobjdump wheel, or PATH); "
+        raise ToolchainError("cuobjdump not found (the nvidia-cuda-cuobjdump wheel, or PATH); "
                              "fix: pip install 'nvidia-cuda-cuobjdump>=13.4,<14'")
     return found
