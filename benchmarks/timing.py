@@ -14,7 +14,7 @@ import ctypes
 import random
 import statistics
 import time
-from typing import Callable, Dict, Hashable
+from typing import Callable, Dict, Hashable, Optional
 
 import torch
 
@@ -86,12 +86,31 @@ def _rotations(keys, reps: int, seed: int = 0):
         yield keys[k:] + keys[:k]
 
 
-def graph_times_ms(fns: Dict[Hashable, Callable], reps: int = 20) -> Dict[Hashable, float]:
-    """Median time of one call of each fn, replayed as a CUDA graph after an L2 flush, interleaved."""
+def _fitting(fns: Dict[Hashable, Callable], prepare: Callable,
+             out_of_memory: Optional[dict]) -> Dict[Hashable, object]:
+    """prepare(fn) for each fn; where out_of_memory is a dict, a fn that runs out of GPU memory is
+    left out with the reason (an eager peer's FP32 temporaries at H 8192 T 262144 do not fit an
+    80 GB card beside the others' graphs), else the error propagates."""
+    prepared = {}
+    for key, fn in fns.items():
+        try:
+            prepared[key] = prepare(fn)
+        except torch.OutOfMemoryError as exc:
+            if out_of_memory is None:
+                raise
+            out_of_memory[key] = str(exc).splitlines()[0]
+            torch.cuda.empty_cache()
+    return prepared
+
+
+def graph_times_ms(fns: Dict[Hashable, Callable], reps: int = 20,
+                   out_of_memory: Optional[dict] = None) -> Dict[Hashable, float]:
+    """Median time of one call of each fn, replayed as a CUDA graph after an L2 flush, interleaved.
+    out_of_memory: see _fitting (the fns that did not fit are missing from the result)."""
     flush = L2Flush()
-    graphs = {key: _capture(fn) for key, fn in fns.items()}
-    times: Dict[Hashable, list] = {key: [] for key in fns}
-    for order in _rotations(fns, reps):
+    graphs = _fitting(fns, _capture, out_of_memory)
+    times: Dict[Hashable, list] = {key: [] for key in graphs}
+    for order in _rotations(graphs, reps):
         for key in order:
             flush()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -109,15 +128,20 @@ def graph_time_ms(fn, reps: int = 20) -> float:
     return graph_times_ms({0: fn}, reps)[0]
 
 
-def eager_times_ms(fns: Dict[Hashable, Callable], reps: int = 50,
-                   batches: int = 9) -> Dict[Hashable, float]:
+def _warm(fn, calls: int = 5) -> Callable:
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return fn
+
+
+def eager_times_ms(fns: Dict[Hashable, Callable], reps: int = 50, batches: int = 9,
+                   out_of_memory: Optional[dict] = None) -> Dict[Hashable, float]:
     """Wall time of one eager call of each fn (host overhead included): the fastest of `batches`
     batches of reps calls, per call, the implementations' batches interleaved. Host noise (other
-    processes, clock changes) only ever adds time, so the fastest batch is the steadiest figure."""
-    for fn in fns.values():
-        for _ in range(5):
-            fn()
-    torch.cuda.synchronize()
+    processes, clock changes) only ever adds time, so the fastest batch is the steadiest figure.
+    out_of_memory: see _fitting."""
+    fns = _fitting(fns, _warm, out_of_memory)
     best = {key: float("inf") for key in fns}
     for order in _rotations(fns, batches):
         for key in order:

@@ -52,3 +52,22 @@ def test_interleaved_orders_balance_places_and_vary_neighbours():
     before = {key: {order[i - 1] for order in orders for i in range(1, len(order)) if order[i] == key}
               for key in keys}
     assert all(len(neighbours) > 1 for neighbours in before.values()), before
+
+
+def _oom(*_args):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB.\nmore detail")
+
+
+def test_an_implementation_that_does_not_fit_is_left_out_with_its_reason(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    prepared = []
+    fns = {"fits": lambda: "a", "too_big": _oom, "fits_too": lambda: "b"}
+    unfit: dict = {}
+    got = timing._fitting(fns, lambda fn: prepared.append(fn()) or fn, unfit)
+    assert list(got) == ["fits", "fits_too"] and prepared == ["a", "b"]
+    assert unfit == {"too_big": "CUDA out of memory. Tried to allocate 8.00 GiB."}
+
+
+def test_out_of_memory_propagates_unless_asked_to_leave_out():
+    with pytest.raises(torch.OutOfMemoryError):
+        timing._fitting({"too_big": _oom}, lambda fn: fn(), None)
