@@ -32,7 +32,8 @@ EPS = 1e-6
 
 
 def measure_point(impls, hidden, tokens):
-    """Every implementation at (hidden, tokens) on the same input tensors, timed interleaved."""
+    """Every implementation at (hidden, tokens) on the same input tensors, timed interleaved:
+    (a row per implementation, {implementation: error} for those that ran out of GPU memory)."""
     gen = torch.Generator(device="cuda").manual_seed(hidden + tokens)
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
     w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).requires_grad_()
@@ -41,23 +42,20 @@ def measure_point(impls, hidden, tokens):
     steps = {name: (lambda impl=impl: torch.autograd.grad(impl(x, w, EPS), (x, w), dy))
              for name, impl in impls.items()}
     reps = replays_for(tokens)
-    unfit: dict = {}  # implementations that ran out of GPU memory here: left out of this point
+    unfit: dict = {}  # {implementation: error}: ran out of GPU memory here, left out of this point
     with torch.no_grad():
         fwd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit)
-    step_ms = graph_times_ms({k: f for k, f in steps.items() if k not in unfit}, reps,
-                             out_of_memory=unfit)
+    step_ms = graph_times_ms(steps, reps, out_of_memory=unfit)
     # an eager step at small T is a fraction of a millisecond: more calls a batch
-    eager_ms = eager_times_ms({k: f for k, f in steps.items() if k not in unfit},
-                              reps=50 if tokens <= SMALL_T else 5, out_of_memory=unfit)
+    eager_ms = eager_times_ms(steps, reps=50 if tokens <= SMALL_T else 5, out_of_memory=unfit)
     elems = tokens * hidden
-    rows = [{"impl": name, "H": hidden, "T": tokens, "out_of_memory": why}
-            for name, why in unfit.items()]
+    rows = []
     for name in (n for n in impls if n not in unfit):
         bwd_ms = max(step_ms[name] - fwd_ms[name], 1e-6)
         rows.append({"impl": name, "H": hidden, "T": tokens, "fwd_ms": fwd_ms[name],
                      "bwd_ms": bwd_ms, "step_ms": step_ms[name], "eager_step_ms": eager_ms[name],
                      "fwd_gbs": 4 * elems / fwd_ms[name] / 1e6, "bwd_gbs": 6 * elems / bwd_ms / 1e6})
-    return rows
+    return rows, unfit
 
 
 def main(argv=None) -> int:
@@ -79,12 +77,11 @@ def main(argv=None) -> int:
     ours = [n for n in OURS if n in impls]
     for hidden in map(int, args.widths.split(",")):
         for tokens in map(int, args.tokens.split(",")):
-            for row in measure_point(impls, hidden, tokens):
-                if "out_of_memory" in row:
-                    doc["out_of_memory"].append(row)
-                    print(f"H {hidden} T {tokens} {row['impl']}: left out, {row['out_of_memory']}",
-                          flush=True)
-                    continue
+            rows, unfit = measure_point(impls, hidden, tokens)
+            for name, why in unfit.items():
+                doc["out_of_memory"].append({"impl": name, "H": hidden, "T": tokens, "error": why})
+                print(f"H {hidden} T {tokens} {name}: left out, {why}", flush=True)
+            for row in rows:
                 doc["rows"].append(row)
                 print(f"H {hidden} T {tokens} {row['impl']}: fwd {row['fwd_ms']:.4f} ms, bwd "
                       f"{row['bwd_ms']:.4f} ms, eager step {row['eager_step_ms']:.4f} ms", flush=True)

@@ -89,10 +89,12 @@ def _rotations(keys, reps: int, seed: int = 0):
 def _fitting(fns: Dict[Hashable, Callable], prepare: Callable,
              out_of_memory: Optional[dict]) -> Dict[Hashable, object]:
     """prepare(fn) for each fn; where out_of_memory is a dict, a fn that runs out of GPU memory is
-    left out with the reason (an eager peer's FP32 temporaries at H 8192 T 262144 do not fit an
-    80 GB card beside the others' graphs), else the error propagates."""
+    left out with the reason, as is one already listed there (it did not fit an earlier stage of
+    the same point), else the error propagates."""
     prepared = {}
     for key, fn in fns.items():
+        if out_of_memory is not None and key in out_of_memory:
+            continue
         try:
             prepared[key] = prepare(fn)
         except torch.OutOfMemoryError as exc:

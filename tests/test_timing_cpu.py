@@ -66,6 +66,11 @@ def test_an_implementation_that_does_not_fit_is_left_out_with_its_reason(monkeyp
     got = timing._fitting(fns, lambda fn: prepared.append(fn()) or fn, unfit)
     assert list(got) == ["fits", "fits_too"] and prepared == ["a", "b"]
     assert unfit == {"too_big": "CUDA out of memory. Tried to allocate 8.00 GiB."}
+    # a later stage of the same point skips what did not fit before, without preparing it again
+    prepared.clear()
+    got = timing._fitting({"fits": lambda: "c", "too_big": lambda: pytest.fail("prepared")},
+                          lambda fn: prepared.append(fn()) or fn, unfit)
+    assert list(got) == ["fits"] and prepared == ["c"]
 
 
 def test_out_of_memory_propagates_unless_asked_to_leave_out():
