@@ -2,7 +2,11 @@
 torch.compile and Liger (where it imports), same inputs, same run.
 
 - kernel time: median CUDA-graph replay with L2 flushed; forward alone, and forward + backward
-  captured whole (the backward is their difference, so autograd runs on the capturing stream);
+  captured whole (the backward is their difference, so autograd runs on the capturing stream).
+  The forward is timed twice: recording autograd (`fwd_ms`: the forward a training step runs, the
+  one the step's time contains; torch.compile's training kernel also stores rstd for its backward)
+  and under no_grad (`fwd_nograd_ms`: torch.compile's inference kernel, which stores no rstd; ours
+  runs the same kernel either way);
   every implementation on the same input tensors, their replays interleaved (timing.py);
 - effective bandwidth: forward 4·T·H bytes, backward 6·T·H (bf16 x, y / x, dy, dx), and its ratio to
   the device's copy bandwidth measured in the same run;
@@ -44,7 +48,8 @@ def measure_point(impls, hidden, tokens):
     reps = replays_for(tokens)
     unfit: dict = {}  # {implementation: error}: ran out of GPU memory here, left out of this point
     with torch.no_grad():
-        fwd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit)
+        nograd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit)
+    fwd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit)
     step_ms = graph_times_ms(steps, reps, out_of_memory=unfit)
     # an eager step at small T is a fraction of a millisecond: more calls a batch
     eager_ms = eager_times_ms(steps, reps=50 if tokens <= SMALL_T else 5, out_of_memory=unfit)
@@ -53,6 +58,7 @@ def measure_point(impls, hidden, tokens):
     for name in (n for n in impls if n not in unfit):
         bwd_ms = max(step_ms[name] - fwd_ms[name], 1e-6)
         rows.append({"impl": name, "H": hidden, "T": tokens, "fwd_ms": fwd_ms[name],
+                     "fwd_nograd_ms": nograd_ms[name],
                      "bwd_ms": bwd_ms, "step_ms": step_ms[name], "eager_step_ms": eager_ms[name],
                      "fwd_gbs": 4 * elems / fwd_ms[name] / 1e6, "bwd_gbs": 6 * elems / bwd_ms / 1e6})
     return rows, unfit
@@ -83,8 +89,9 @@ def main(argv=None) -> int:
                 print(f"H {hidden} T {tokens} {name}: left out, {why}", flush=True)
             for row in rows:
                 doc["rows"].append(row)
-                print(f"H {hidden} T {tokens} {row['impl']}: fwd {row['fwd_ms']:.4f} ms, bwd "
-                      f"{row['bwd_ms']:.4f} ms, eager step {row['eager_step_ms']:.4f} ms", flush=True)
+                print(f"H {hidden} T {tokens} {row['impl']}: fwd {row['fwd_ms']:.4f} ms (no_grad "
+                      f"{row['fwd_nograd_ms']:.4f}), bwd {row['bwd_ms']:.4f} ms, eager step "
+                      f"{row['eager_step_ms']:.4f} ms", flush=True)
             torch.cuda.empty_cache()
         # after every width: a run cut short still leaves what it measured
         (out / "bench.json").write_text(json.dumps(doc, indent=1))
