@@ -11,13 +11,16 @@ def _peer(rows, row, impl):
                 None)
 
 
+# (column label, row key) of the peer-over-ours ratio columns
+RATIOS = (("fwd", "fwd_ms"), ("fwd no_grad", "fwd_nograd_ms"), ("bwd", "bwd_ms"),
+          ("step", "eager_step_ms"))
+
+
 def markdown(rows, copy_gbs: float, ours: List[str]) -> str:
     peers = sorted({r["impl"] for r in rows} - set(ours))
     head = ["H", "T", "impl", "fwd ms", "fwd/copy", "fwd no_grad ms", "bwd ms", "bwd/copy",
             "eager step ms"]
-    head += [f"fwd {p}/ours" for p in peers] + [f"fwd no_grad {p}/ours" for p in peers]
-    head += [f"bwd {p}/ours" for p in peers]
-    head += [f"step {p}/ours" for p in peers]
+    head += [f"{label} {p}/ours" for label, _ in RATIOS for p in peers]
     lines = [f"copy bandwidth: {copy_gbs:.0f} GB/s; ratios are the peer's time over ours (> 1: "
              f"ours is faster); fwd moves 4·T·H bytes, bwd 6·T·H; fwd records autograd (a "
              f"training step's forward), fwd no_grad does not; bwd is the step less fwd", "",
@@ -27,7 +30,7 @@ def markdown(rows, copy_gbs: float, ours: List[str]) -> str:
                  f"{row['fwd_gbs'] / copy_gbs:.2f}", f"{row['fwd_nograd_ms']:.4f}",
                  f"{row['bwd_ms']:.4f}",
                  f"{row['bwd_gbs'] / copy_gbs:.2f}", f"{row['eager_step_ms']:.4f}"]
-        for key in ("fwd_ms", "fwd_nograd_ms", "bwd_ms", "eager_step_ms"):
+        for _, key in RATIOS:
             for p in peers:
                 other = _peer(rows, row, p)
                 cells.append(f"{other[key] / row[key]:.2f}" if other and row["impl"] in ours else "")
