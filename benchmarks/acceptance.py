@@ -1,0 +1,121 @@
+"""Issue 4's speed goals (acceptance 4 and 5) checked over a benchmark run's bench.json: every
+check printed with its figures, the failing ones marked FAIL; exit status 1 if any fails.
+
+    python benchmarks/acceptance.py results/bench.json [--failures-only]
+
+Ratios are a peer's time over ours, as in the benchmark's table (> 1: we are faster), except the
+copy fractions (our effective GB/s over the device's copy bandwidth) and the eager step (our time
+over the fastest peer's: <= the goal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Tuple
+
+from peers import OURS
+
+COMPILE = "torch_compile"
+DET, FAST = OURS
+
+
+@dataclass(frozen=True)
+class Goals:
+    """Issue 4, acceptance 4 (sm_90a, FP32 weight) and 5."""
+    large_min_hidden: int = 1536       # the large-T goals hold at H >= this
+    large_min_tokens: int = 65536      # and T >= this
+    fwd_vs_compile: float = 1.0        # forward, both backends: compile's time / ours >=
+    fwd_of_copy: float = 0.93          # forward GB/s / copy GB/s >=
+    fast_bwd_vs_compile: float = 1.10  # fast backward: compile's time / ours >=
+    fast_bwd_of_copy: float = 0.88     # fast backward GB/s / copy GB/s >=
+    det_bwd_vs_fast: float = 0.90      # fast's backward time / det's >=
+    small_max_tokens: int = 4096       # at T <= this, both kernels no slower than compile's
+    eager_tokens: int = 128            # the eager step (host included) at this T:
+    eager_vs_fastest_peer: float = 0.5  # our time / the fastest peer's <=
+
+
+@dataclass(frozen=True)
+class Check:
+    what: str     # e.g. "H 4096 T 65536 cake_fast fwd vs torch_compile"
+    value: float
+    limit: float
+    at_most: bool  # the value must be <= limit (else >=)
+    detail: str    # the times behind the value
+
+    @property
+    def ok(self) -> bool:
+        return self.value <= self.limit if self.at_most else self.value >= self.limit
+
+    def line(self) -> str:
+        sign = "<=" if self.at_most else ">="
+        return (f"{'ok  ' if self.ok else 'FAIL'} {self.what}: {self.value:.3f} (goal {sign} "
+                f"{self.limit:g}; {self.detail})")
+
+
+def _us(ms: float) -> str:
+    return f"{ms * 1e3:.2f} us"
+
+
+def _vs(what: str, ours: dict, peer: dict, key: str, limit: float) -> Check:
+    """peer's time over ours for `key` (a *_ms field), >= limit."""
+    return Check(what, peer[key] / ours[key], limit, False,
+                 f"{_us(ours[key])} vs {_us(peer[key])}")
+
+
+def checks(doc: dict, goals: Goals = Goals()) -> Iterator[Check]:
+    copy = doc["copy_gbs"]
+    rows: Dict[Tuple[str, int, int], dict] = {(r["impl"], r["H"], r["T"]): r for r in doc["rows"]}
+    for hidden, tokens in sorted({(h, t) for _, h, t in rows}):
+        comp, det, fast = (rows.get((name, hidden, tokens)) for name in (COMPILE, DET, FAST))
+        at = f"H {hidden} T {tokens}"
+        if comp and det and fast:
+            if hidden >= goals.large_min_hidden and tokens >= goals.large_min_tokens:
+                for ours in (det, fast):
+                    yield _vs(f"{at} {ours['impl']} fwd vs {COMPILE}", ours, comp, "fwd_ms",
+                              goals.fwd_vs_compile)
+                    yield Check(f"{at} {ours['impl']} fwd of copy", ours["fwd_gbs"] / copy,
+                                goals.fwd_of_copy, False, f"{ours['fwd_gbs']:.0f} of {copy:.0f} GB/s")
+                yield _vs(f"{at} {FAST} bwd vs {COMPILE}", fast, comp, "bwd_ms", goals.fast_bwd_vs_compile)
+                yield Check(f"{at} {FAST} bwd of copy", fast["bwd_gbs"] / copy, goals.fast_bwd_of_copy,
+                            False, f"{fast['bwd_gbs']:.0f} of {copy:.0f} GB/s")
+                yield _vs(f"{at} {DET} bwd vs {FAST}", det, fast, "bwd_ms", goals.det_bwd_vs_fast)
+            if tokens <= goals.small_max_tokens:
+                for ours in (det, fast):
+                    for key in ("fwd_ms", "bwd_ms"):
+                        yield _vs(f"{at} {ours['impl']} {key[:3]} vs {COMPILE}", ours, comp, key, 1.0)
+        peers = [r for (name, h, t), r in rows.items() if h == hidden and t == tokens and name not in OURS]
+        if tokens == goals.eager_tokens and peers:
+            best = min(peers, key=lambda r: r["eager_step_ms"])
+            for ours in (r for r in (det, fast) if r):
+                yield Check(f"{at} {ours['impl']} eager step vs fastest peer",
+                            ours["eager_step_ms"] / best["eager_step_ms"], goals.eager_vs_fastest_peer,
+                            True, f"{_us(ours['eager_step_ms'])} vs {best['impl']} "
+                                  f"{_us(best['eager_step_ms'])}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bench_json", help="bench.json of benchmarks/bench_rmsnorm.py")
+    ap.add_argument("--failures-only", action="store_true", help="print the failing checks only")
+    args = ap.parse_args(argv)
+    path = Path(args.bench_json)
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bench_json {str(path)!r}: not a readable bench.json ({e})") from None
+    results: List[Check] = list(checks(doc))
+    print(f"{doc.get('device', '?')}: copy {doc['copy_gbs']:.0f} GB/s")
+    for check in results:
+        if not (args.failures_only and check.ok):
+            print(check.line())
+    failed = sum(not c.ok for c in results)
+    print(f"{len(results) - failed} of {len(results)} checks pass, {failed} fail")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
