@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the stages named, in order, with their logs and results in $OUT.
 #
-#   bash benchmarks/device_pass.sh [--card H200] [tune LIBDIR] [tests] [bench] ...
+#   bash benchmarks/device_pass.sh [--card H200] [check LIBDIR] [tune LIBDIR] [tests] [bench] ...
 #
 #   (always)   install dist/*.whl and the peers' wheels in .whl/ into a scratch site (no network
 #              there), print the card, `cake-rmsnorm verify installed`
+#   check DIR  ci/check_programs.py over DIR (ci/program_libs.py's folder): every library against
+#              the FP64 reference, det's bits, and the bits across program forms: $OUT/check.{log,json}
 #   tune DIR   benchmarks/tune_routes.py over DIR (ci/program_libs.py's folder), keeping the
 #              committed table's other windows: $OUT/tuned/{sm_90a.toml,tune.json}
 #   tests      pytest -m gpu tests/gpu: $OUT/pytest.txt
@@ -12,7 +14,7 @@
 #              $OUT/plots.tgz, $OUT/acceptance.txt
 #   --card S   stop before installing anything unless the card's name contains S (timings for a
 #              note come from one card kind)
-# Each stage runs under a time limit (TUNE_S, TESTS_S, BENCH_S seconds); a stage that fails or
+# Each stage runs under a time limit (CHECK_S, TUNE_S, TESTS_S, BENCH_S seconds); a stage that fails or
 # times out is reported and the next one still runs; the exit status is the first failure's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +45,10 @@ stage() {  # stage NAME LIMIT_S LOG COMMAND...: run, time and report one stage
 }
 while [ $# -gt 0 ]; do
     case "$1" in
+        check)
+            stage check "${CHECK_S:-300}" "$OUT/check.log" python3 ci/check_programs.py --libs "$2" \
+                --json "$OUT/check.json"
+            shift 2 ;;
         tune)
             stage tune "${TUNE_S:-420}" "$OUT/tune.log" python3 benchmarks/tune_routes.py --libs "$2" \
                 --out "$OUT/tuned" --keep python/cake_rmsnorm/registry/data/tuned/sm_90a.toml
@@ -61,7 +67,7 @@ while [ $# -gt 0 ]; do
             grep FAIL "$OUT/acceptance.txt"
             shift ;;
         *)
-            echo "unknown stage $1 (stages: tune DIR, tests, bench)"; exit 2 ;;
+            echo "unknown stage $1 (stages: check DIR, tune DIR, tests, bench)"; exit 2 ;;
     esac
 done
 exit $status

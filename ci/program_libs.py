@@ -96,14 +96,18 @@ def main(argv) -> int:
     earlier = json.loads(index_file.read_text())["libraries"] if index_file.is_file() else []
     index = [e for e in earlier  # earlier runs' libraries of programs that still exist, not rebuilt
              if e["name"] not in {lib.name for lib in libs} and e["program"] in reg.programs]
+    compiled_now = 0
     with cf.ThreadPoolExecutor(max_workers=args.j) as pool:
-        def build(lib):
-            return (args.reuse and reusable(lib, out)) or compile_one(lib, out, tc)
+        def build(lib):  # (the library, whether it was compiled now)
+            kept = args.reuse and reusable(lib, out)
+            return (kept, False) if kept else (compile_one(lib, out, tc), True)
         futures = {pool.submit(build, lib): lib for lib in libs}
         for n, fut in enumerate(cf.as_completed(futures), 1):
             lib = futures[fut]
-            built = fut.result()
-            print(f"[{n}/{len(libs)}] {built.path.name}: registers {built.record['registers']}",
+            built, compiled = fut.result()
+            compiled_now += compiled
+            print(f"[{n}/{len(libs)}] {built.path.name}: registers {built.record['registers']}"
+                  + ("" if compiled else " (reused)"),
                   flush=True)
             index.append({**lib.plan_fields(), "file": built.path.name,
                           "direction": lib.program.direction, "form": lib.program.form,
@@ -111,7 +115,8 @@ def main(argv) -> int:
                           "deterministic": lib.program.deterministic})
     index.sort(key=lambda e: e["name"])
     index_file.write_text(json.dumps({"arch": args.arch, "libraries": index}, indent=2) + "\n")
-    print(f"wrote {index_file}: {len(index)} libraries (this run built {len(libs)})")
+    print(f"wrote {index_file}: {len(index)} libraries (this run compiled {compiled_now}, "
+          f"reused {len(libs) - compiled_now})")
     return 0
 
 

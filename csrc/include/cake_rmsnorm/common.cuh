@@ -195,6 +195,33 @@ __device__ __forceinline__ float group_sum(float v, float* scratch, int warp, in
   }
 }
 
+// group_sum of N values at once, each summed in group_sum's order (the same bits): the N shuffle
+// chains issued side by side and one barrier for all N cross-warp sums, where N group_sum calls
+// wait each chain's latency (and two barriers) in turn; ptxas does not move a shuffle above the
+// previous row's stores. For a thread's N rows (the forward's rows_per_thread). scratch: N * 32
+// floats (N * kReduceScratchBytes). Every thread of the block calls it once: no barrier after.
+template <int kWarps, int N>
+__device__ __forceinline__ void group_sums_once(float (&v)[N], float* scratch, int warp, int warp0) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = warp_sum(v[i]);
+  if constexpr (kWarps > 1) {
+    constexpr int kStride = kReduceScratchBytes / static_cast<int>(sizeof(float));
+    if ((threadIdx.x & (kWarpSize - 1)) == 0) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) scratch[i * kStride + warp] = v[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float* sums = scratch + i * kStride + warp0;
+      float s = sums[0];
+#pragma unroll
+      for (int j = 1; j < kWarps; ++j) s += sums[j];
+      v[i] = s;
+    }
+  }
+}
+
 // load(0) + load(1) + ... + load(N - 1) in index order (in load's type: FP64, or wrapping 64-bit
 // integers), every load issued before the first addition.
 template <int N, class Load>

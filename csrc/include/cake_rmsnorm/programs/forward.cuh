@@ -6,7 +6,10 @@
  *     A block holds rows = min(kRowsPerBlock, 1024 / threads per row) row groups; group g of block
  *     b normalises rows b*rows*kRowsPerThread + g + i*rows (i < kRowsPerThread), loading all their
  *     vectors straight from global memory before the first is reduced (more bytes in flight where
- *     a row is one warp's 16-byte vectors). grid = ceil(T / (rows * kRowsPerThread)).
+ *     a row is one warp's 16-byte vectors), then reducing them side by side (group_sums_once;
+ *     reduced one row after another, the SASS ran each row's shuffles, square root and division
+ *     only after the previous row's stores, so a warp waited the rows' chains in turn).
+ *     grid = ceil(T / (rows * kRowsPerThread)).
  *     kWeightAhead 1: the weight is loaded with x, before the reduction.
  *     kL2EvictLast 1: x and the residual are loaded with an L2 evict_last policy (below).
  *   cake::ForwardSplit<H, WeightT, kResidual, kReduction (fp32), kRowsPerBlock, kWeightAhead, kL2EvictLast>
@@ -101,22 +104,31 @@ __device__ __forceinline__ void store_outputs(bf16* y, bf16* ro, int v, const ui
   st_vec(y, v, pack8(fy));
 }
 
-// One row: vx (and vr) are this thread's vectors of x (and residual). Every thread of the block
-// calls it (group_sum's barriers); `active` = the row exists.
-// weight(k, fw): this thread's k-th weight vector as 8 floats (row_weight.cuh: GlobalWeight loads it
-// after the reduction, HeldWeight has it in registers, loaded with x).
-template <int H, class L, class W, bool kRes, class Weight>
-__device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t row, bool active,
-                                            uint4 (&vh)[L::kVPT], const uint4 (&vr)[L::kVPT], int t,
-                                            float* scratch, int warp, int warp0, Weight&& weight) {
+// A row's part of its sum of squares: this thread's vectors in index order (h = bf16(x + r) into
+// vh with a residual); 0 where the row does not exist.
+template <class L, bool kRes>
+__device__ __forceinline__ float row_squares(uint4 (&vh)[L::kVPT], const uint4 (&vr)[L::kVPT], int t,
+                                             bool active) {
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < L::kVPT; ++k) {
     if (active && L::valid(k, t)) add_squares<kRes>(vh[k], vr[k], ss);
   }
-  ss = group_sum<L::kWarps>(ss, scratch, warp, warp0);
-  if (!active) return;
-  const float rstd = 1.0f / sqrtf(ss / static_cast<float>(H) + a.eps);
+  return ss;
+}
+
+// rstd from a row's summed squares (correctly rounded square root and division).
+template <int H>
+__device__ __forceinline__ float row_rstd(float ss, float eps) {
+  return 1.0f / sqrtf(ss / static_cast<float>(H) + eps);
+}
+
+// A row's outputs: rstd, then h (with residual) and y for this thread's vectors. weight(k, fw):
+// this thread's k-th weight vector as 8 floats (row_weight.cuh: GlobalWeight loads it now,
+// HeldWeight has it in registers, loaded with x).
+template <int H, class L, bool kRes, class Weight>
+__device__ __forceinline__ void row_outputs(const cake_fwd_args_t& a, int64_t row, const uint4 (&vh)[L::kVPT],
+                                            int t, float rstd, Weight&& weight) {
   if (t == 0) a.rstd[row] = rstd;
   const int64_t off = row * H;
   bf16* y = static_cast<bf16*>(a.y) + off;
@@ -126,6 +138,17 @@ __device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t ro
     if (L::valid(k, t))
       store_outputs<kRes>(y, ro, L::vec(k, t), vh[k], rstd, [&](float (&fw)[kVec]) { weight(k, fw); });
   }
+}
+
+// One row: vh (and vr) are this thread's vectors of x (and residual). Every thread of the block
+// calls it (group_sum's barriers); `active` = the row exists.
+template <int H, class L, bool kRes, class Weight>
+__device__ __forceinline__ void forward_row(const cake_fwd_args_t& a, int64_t row, bool active,
+                                            uint4 (&vh)[L::kVPT], const uint4 (&vr)[L::kVPT], int t,
+                                            float* scratch, int warp, int warp0, Weight&& weight) {
+  float ss = row_squares<L, kRes>(vh, vr, t, active);
+  ss = group_sum<L::kWarps>(ss, scratch, warp, warp0);
+  if (active) row_outputs<H, L, kRes>(a, row, vh, t, row_rstd<H>(ss, a.eps), weight);
 }
 
 template <int H, class W, bool kRes, Reduction kR, int kRowsPerBlock, int kWeightAhead, int kRowsPerThread,
@@ -144,7 +167,7 @@ struct Forward {
   static constexpr int kHidden = H;
   static constexpr bool kResidual = kRes;
   using WeightT = W;
-  static constexpr int kSmemBytes = kReduceScratchBytes;
+  static constexpr int kSmemBytes = kReduceScratchBytes * kRowsPerThread;  // group_sums_once's
 
   static __device__ __forceinline__ void run(const cake_fwd_args_t& a) {
     float* scratch = reinterpret_cast<float*>(dyn_smem());
@@ -174,10 +197,19 @@ struct Forward {
     }
     using Weight = typename std::conditional<kWeightAhead != 0, HeldWeight<L, W>, GlobalWeight<L, W>>::type;
     const Weight weight{w, t};
+    // every row's squares, their group sums side by side (group_sums_once), every rstd, then
+    // every row's outputs: forward_row's operations for each row, without a row's reduction
+    // waiting for the previous row's stores
+    float ss[kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) ss[i] = row_squares<L, kRes>(vh[i], vr[i], t, exists(i));
+    group_sums_once<L::kWarps>(ss, scratch, threadIdx.x / kWarpSize, g * L::kWarps);
+    float rstd[kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) rstd[i] = row_rstd<H>(ss[i], a.eps);
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      forward_row<H, L, W, kRes>(a, row_of(i), exists(i), vh[i], vr[i], t, scratch, threadIdx.x / kWarpSize,
-                                 g * L::kWarps, weight);
+      if (exists(i)) row_outputs<H, L, kRes>(a, row_of(i), vh[i], t, rstd[i], weight);
     }
   }
 
@@ -328,7 +360,7 @@ struct ForwardRing {
           uint4 vh[L::kVPT], vr[L::kVPT];
           pipe.read(stage, 0, t, vh);
           if constexpr (kRes) pipe.read(stage, 1, t, vr);
-          forward_row<H, L, W, kRes>(a, b + j * grid, true, vh, vr, t, scratch, t / kWarpSize, 0, weight);
+          forward_row<H, L, kRes>(a, b + j * grid, true, vh, vr, t, scratch, t / kWarpSize, 0, weight);
         });
   }
 
