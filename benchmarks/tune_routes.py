@@ -53,11 +53,14 @@ WORST_LIMIT = 0.25
 # input, 0.26 at T 131073 with residual, H200): the scaled worst must hold the limit twice over.
 INPUT_MARGIN = 2.0
 LAST_WINDOW_SPAN = 2.0
-# Candidates within TIE_REL of the fastest plus TIE_ABS_MS count as ties: the previous grid point's
-# winner keeps the window (fewer windows, det's bits change less often), else the fastest wins.
-# Identical kernels timed interleaved agree within about 1% at large T (timing.py); at a few
-# microseconds 0.1 us more counts too. A flat 3% (the earlier rule) kept H 6144's forward on a
-# program 1% slower than the fastest from T 65536.
+# Backward candidates within TIE_REL of the fastest plus TIE_ABS_MS count as ties: the previous
+# grid point's winner keeps the window (fewer windows, det's bits change less often), else the
+# fastest wins. Identical kernels timed interleaved agree within about 1% at large T (timing.py);
+# at a few microseconds 0.1 us more counts too. A forward tie is within TIE_ABS_MS only: its forms
+# all give the same bits, so keeping a program buys no stability of results, and its goal is
+# torch.compile's time to a fraction of a percent (1% kept H 6144's forward on fwd_split1_wa from
+# T 65536, 0.8% behind fwd_rows2_wa_el, H100); 0.1 us still keeps the small-T windows (every
+# forward within a few tenths of a microsecond) from following the noise.
 TIE_REL = 0.01
 TIE_ABS_MS = 0.0001
 
@@ -136,7 +139,8 @@ def winners(rows, hidden, backend, direction, limits=None):
                              f"({backend} {direction})")
         pool.sort(key=lambda r: r["ms"])
         previous = out[-1][1]["program"] if out else None
-        ties = [r for r in pool if r["ms"] <= pool[0]["ms"] * (1 + TIE_REL) + TIE_ABS_MS
+        rel = TIE_REL if direction == "bwd" else 0.0
+        ties = [r for r in pool if r["ms"] <= pool[0]["ms"] * (1 + rel) + TIE_ABS_MS
                 and r["program"] == previous]
         best = ties[0] if ties else pool[0]
         rest = [r for r in pool if r is not best]
