@@ -87,10 +87,10 @@ def main(argv) -> int:
     if unknown:
         sys.exit(f"--programs {unknown}: not registry programs; known: {', '.join(sorted(reg.programs))}")
     widths = [int(w) for w in args.widths.split(",") if w]
-    bad_keys = [k for k in args.keys.split(",") if k not in KEYS]
-    if bad_keys or not args.keys:
+    keys = args.keys.split(",")
+    if not all(k in KEYS for k in keys):
         sys.exit(f"--keys {args.keys!r}: accepted keys are {', '.join(KEYS)} (comma list)")
-    libs = list(libraries(args.arch, programs, widths, [KEYS[k] for k in args.keys.split(",")]))
+    libs = list(libraries(args.arch, programs, widths, [KEYS[k] for k in keys]))
     tc = preflight([reg.arch(args.arch)])
     index_file = out / "index.json"
     earlier = json.loads(index_file.read_text())["libraries"] if index_file.is_file() else []

@@ -25,7 +25,7 @@ def test_keys_select_weight_and_residual():
                                                                                 ("fp32", False)]
 
 
-def test_unknown_key_is_refused_naming_the_accepted_ones(capsys):
+def test_unknown_key_is_refused_naming_the_accepted_ones():
     with pytest.raises(SystemExit) as e:
         program_libs.main(["--keys", "fp16", "--programs", "fwd_rows1"])
     assert "fp16" in str(e.value) and "fp32" in str(e.value) and "bf16_res" in str(e.value)

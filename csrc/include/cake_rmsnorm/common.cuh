@@ -176,30 +176,13 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// Sum over a row group of kWarps warps; every thread of the group gets the same bits.
-// scratch: one float per warp of the block (kReduceScratchBytes); warp0 = first warp of the group.
-// Every thread of the block must call it the same number of times (it holds __syncthreads).
-template <int kWarps>
-__device__ __forceinline__ float group_sum(float v, float* scratch, int warp, int warp0) {
-  v = warp_sum(v);
-  if constexpr (kWarps == 1) {
-    return v;
-  } else {
-    if ((threadIdx.x & (kWarpSize - 1)) == 0) scratch[warp] = v;
-    __syncthreads();
-    float s = scratch[warp0];
-#pragma unroll
-    for (int i = 1; i < kWarps; ++i) s += scratch[warp0 + i];
-    __syncthreads();
-    return s;
-  }
-}
-
-// group_sum of N values at once, each summed in group_sum's order (the same bits): the N shuffle
-// chains issued side by side and one barrier for all N cross-warp sums, where N group_sum calls
-// wait each chain's latency (and two barriers) in turn; ptxas does not move a shuffle above the
-// previous row's stores. For a thread's N rows (the forward's rows_per_thread). scratch: N * 32
-// floats (N * kReduceScratchBytes). Every thread of the block calls it once: no barrier after.
+// N sums over a row group at once (a thread's N rows: the forward's rows_per_thread), each in a
+// fixed order (the warp's xor butterfly, then the group's warps in order), every thread of the
+// group getting the same bits: the N shuffle chains side by side and one barrier for all N
+// cross-warp sums, where N group_sum calls wait each chain's latency (and two barriers) in turn;
+// ptxas does not move a shuffle above the previous row's stores. scratch: N * 32 floats
+// (N * kReduceScratchBytes); warp0 = first warp of the group. No barrier after: a caller that
+// uses scratch again syncs first (group_sum).
 template <int kWarps, int N>
 __device__ __forceinline__ void group_sums_once(float (&v)[N], float* scratch, int warp, int warp0) {
 #pragma unroll
@@ -220,6 +203,17 @@ __device__ __forceinline__ void group_sums_once(float (&v)[N], float* scratch, i
       v[i] = s;
     }
   }
+}
+
+// One sum over a row group of kWarps warps (group_sums_once of one value); scratch: one float per
+// warp of the block (kReduceScratchBytes). Every thread of the block must call it the same number
+// of times (it holds __syncthreads).
+template <int kWarps>
+__device__ __forceinline__ float group_sum(float v, float* scratch, int warp, int warp0) {
+  float sums[1] = {v};
+  group_sums_once<kWarps>(sums, scratch, warp, warp0);
+  if constexpr (kWarps > 1) __syncthreads();  // the next call writes scratch again
+  return sums[0];
 }
 
 // load(0) + load(1) + ... + load(N - 1) in index order (in load's type: FP64, or wrapping 64-bit
