@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the stages named, in order, with their logs and results in $OUT.
 #
-#   bash benchmarks/device_pass.sh [--card H200] [check LIBDIR] [tune LIBDIR] [tests] [bench] ...
+#   bash benchmarks/device_pass.sh [--card H200] [check LIBDIR] [tune LIBDIR] [ab OLD NEW] [tests]
+#                                  [bench] ...
 #
 #   (always)   install dist/*.whl and the peers' wheels in .whl/ into a scratch site (no network
 #              there), print the card, `cake-rmsnorm verify installed`
@@ -9,13 +10,15 @@
 #              the FP64 reference, det's bits, and the bits across program forms: $OUT/check.{log,json}
 #   tune DIR   benchmarks/tune_routes.py over DIR (ci/program_libs.py's folder), keeping the
 #              committed table's other windows: $OUT/tuned/{sm_90a.toml,tune.json}
+#   ab OLD NEW benchmarks/ab_forward.py: two builds of the same forward programs (H 256), bits
+#              and times beside torch.compile's: $OUT/ab.{log,json}
 #   tests      pytest -m gpu tests/gpu: $OUT/pytest.txt
 #   bench      the full benchmark, then benchmarks/acceptance.py over it: $OUT/bench.{json,md},
 #              $OUT/plots.tgz, $OUT/acceptance.txt
 #   --card S   stop before installing anything unless the card's name contains S (timings for a
 #              note come from one card kind)
-# Each stage runs under a time limit (CHECK_S, TUNE_S, TESTS_S, BENCH_S seconds); a stage that fails or
-# times out is reported and the next one still runs; the exit status is the first failure's.
+# Each stage runs under a time limit (CHECK_S, TUNE_S, AB_S, TESTS_S, BENCH_S seconds); a stage that
+# fails or times out is reported and the next one still runs; the exit status is the first failure's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-device-out}
@@ -53,6 +56,10 @@ while [ $# -gt 0 ]; do
             stage tune "${TUNE_S:-420}" "$OUT/tune.log" python3 benchmarks/tune_routes.py --libs "$2" \
                 --out "$OUT/tuned" --keep python/cake_rmsnorm/registry/data/tuned/sm_90a.toml
             shift 2 ;;
+        ab)
+            stage ab "${AB_S:-180}" "$OUT/ab.log" python3 benchmarks/ab_forward.py "$2" "$3" \
+                --json "$OUT/ab.json"
+            shift 3 ;;
         tests)
             stage tests "${TESTS_S:-240}" "$OUT/pytest.txt" \
                 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider
@@ -67,7 +74,7 @@ while [ $# -gt 0 ]; do
             grep FAIL "$OUT/acceptance.txt"
             shift ;;
         *)
-            echo "unknown stage $1 (stages: check DIR, tune DIR, tests, bench)"; exit 2 ;;
+            echo "unknown stage $1 (stages: check DIR, tune DIR, ab OLD NEW, tests, bench)"; exit 2 ;;
     esac
 done
 exit $status
