@@ -8,7 +8,7 @@ training forward, in the same run (timing.py: CUDA-graph replay, L2 flushed).
 
 Why: the tuner times one folder's candidates against each other; a change to a program's code
 needs its old and new builds side by side, with the peer it is meant to catch, in one process
-(between processes the same kernel moved by up to 10% at H 256, T 4096). Ragged T (not a
+(between processes the same kernel moved by 10% at H 256, T 4096: README). Ragged T (not a
 multiple of a block's rows) checks the last block's path. Exit 1 if any program's bits differ.
 """
 
@@ -21,8 +21,13 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from library_calls import EPS, FwdCall, inputs, load_folder, open_entry, read_index  # noqa: E402
+from timing import graph_times_ms  # noqa: E402
+
+from cake_rmsnorm.accuracy import same_bits  # noqa: E402
 
 SIDES = ("old", "new")
 
@@ -41,16 +46,11 @@ def paired_programs(index_old: dict, index_new: dict, hidden: int, weight_dtype:
 
 
 def same_outputs(a: FwdCall, b: FwdCall) -> bool:
-    import torch
-    return (torch.equal(a.y.view(torch.int16), b.y.view(torch.int16))
-            and torch.equal(a.rstd.view(torch.int32), b.rstd.view(torch.int32)))
+    return same_bits(a.y, b.y) and same_bits(a.rstd, b.rstd)
 
 
 def measure(folders, pairs, hidden: int, tokens: int, reps: int, trials: int, compiled) -> dict:
     """Bits and times at one T: {"T", "bits": {program: same?}, "trials": [{label: us}]}."""
-    import torch
-    from timing import graph_times_ms
-
     x, _, _, _, w = inputs(hidden, tokens, "fp32", False)
     calls, bits = {}, {}
     for program, entries in pairs.items():

@@ -10,8 +10,8 @@
 #              the FP64 reference, det's bits, and the bits across program forms: $OUT/check.{log,json}
 #   tune DIR   benchmarks/tune_routes.py over DIR (ci/program_libs.py's folder), keeping the
 #              committed table's other windows: $OUT/tuned/{sm_90a.toml,tune.json}
-#   ab OLD NEW benchmarks/ab_forward.py: two builds of the same forward programs (H 256), bits
-#              and times beside torch.compile's: $OUT/ab.{log,json}
+#   ab OLD NEW benchmarks/ab_forward.py (its default H): two builds of the same forward
+#              programs, bits and times beside torch.compile's: $OUT/ab.{log,json}
 #   tests      pytest -m gpu tests/gpu: $OUT/pytest.txt
 #   bench      the full benchmark, then benchmarks/acceptance.py over it: $OUT/bench.{json,md},
 #              $OUT/plots.tgz, $OUT/acceptance.txt

@@ -1,5 +1,6 @@
-"""benchmarks/ab_forward.py without a GPU: which programs two library folders pair up at a key, and
-the report's lines (bits, each trial's order, the medians' ratios to torch.compile)."""
+"""benchmarks/ab_forward.py without a GPU: which programs two library folders pair up at a key, the
+bit comparison of two builds' outputs, and the report's lines (bits, each trial's order, the
+medians' ratios to torch.compile)."""
 
 import sys
 from pathlib import Path
@@ -44,3 +45,17 @@ def test_report_names_differing_bits_and_ratios_to_the_peer():
     assert "old/fwd_rows2_wa 6.10 (0.902)" in lines[3]
     assert lines[3].endswith("torch_compile 5.50")
     assert lines[3].index("new/") < lines[3].index("old/")
+
+
+def test_same_outputs_compares_bits_of_y_and_rstd():
+    import torch
+    from types import SimpleNamespace
+
+    y = torch.tensor([[1.0, -0.0]], dtype=torch.bfloat16)
+    rstd = torch.tensor([0.5])
+    a = SimpleNamespace(y=y, rstd=rstd)
+    assert ab_forward.same_outputs(a, SimpleNamespace(y=y.clone(), rstd=rstd.clone()))
+    # -0.0 against 0.0 (equal as numbers, other bits), and a last-bit change of rstd
+    assert not ab_forward.same_outputs(a, SimpleNamespace(y=y.abs(), rstd=rstd.clone()))
+    assert not ab_forward.same_outputs(a, SimpleNamespace(y=y.clone(), rstd=torch.nextafter(
+        rstd, torch.tensor([1.0]))))
