@@ -182,13 +182,18 @@ def measured_parts(rows, widths):
 
 def kept_windows(path: Path, measured):
     """The windows of an earlier table (e.g. the committed one) for the (width, direction)s not in
-    `measured`, and the date its header gives."""
+    `measured`, and the run each was measured in: {(width, direction): date}. A window that table
+    itself kept from an older run keeps that run's date (its header says which)."""
     text = path.read_text()
     dates = re.findall(r"^# (\d{4}-\d{2}-\d{2})", text, re.M)
-    stamp = dates[0] if dates else "(undated)"
+    run_date = dates[0] if dates else "(undated)"
+    older = {}
+    header = re.search(r"^# .* measured in this run; (.*)$", text, re.M)
+    for parts, date in re.findall(r"(.+?) kept from the run of (\S+?)(?:; |$)", header[1] if header else ""):
+        older.update(dict.fromkeys(_parsed_parts(parts), date))
     kept = [o for o in tomllib.loads(text).get("override", [])
             if not any((h, o["direction"]) in measured for h in o["H"])]
-    return kept, stamp
+    return kept, {(h, o["direction"]): older.get((h, o["direction"]), run_date) for o in kept for h in o["H"]}
 
 
 def _parts_text(parts) -> str:
@@ -199,22 +204,34 @@ def _parts_text(parts) -> str:
     return "; ".join(f"{d} at H {', '.join(map(str, hs))}" for d, hs in by_dir.items() if hs)
 
 
+def _parsed_parts(text: str) -> set:
+    """_parts_text's words back as {(width, direction)}."""
+    parts = set()
+    for seg in text.split("; "):
+        m = re.fullmatch(r"(?:(fwd|bwd) at )?H ([\d, ]+)", seg.strip())
+        if m:
+            for d in (m[1],) if m[1] else ("fwd", "bwd"):
+                parts |= {(int(h), d) for h in m[2].split(",")}
+    return parts
+
+
 def toml_text(rows, widths, arch, device_name, limits=None, keep=None) -> str:
     """The route table of `rows` at `widths` (each width's directions that rows measure); keep:
-    (windows, stamp) of an earlier table's other widths and directions (kept_windows), written
-    after a header line naming both."""
+    (windows, {(width, direction): date}) of an earlier table's other widths and directions
+    (kept_windows), written after a header line naming what was measured and what kept from when."""
     lines = [f"# Routes for {arch} chosen by benchmarks/tune_routes.py on {device_name},",
              f"# {time.strftime('%Y-%m-%d')}: the fastest candidate inside {WORST_LIMIT} of the dw "
              f"budget (its worst x sqrt(window end / T) x {INPUT_MARGIN}) at each grid T",
              f"# ({', '.join(map(str, GRID))}); each window runs from its grid",
              "# point to the next. `measured` keeps the figures that chose it. Generated; reviewed, "
              "then committed."]
-    kept, stamp = keep or ([], "")
+    kept, stamps = keep or ([], {})
     measured = measured_parts(rows, widths)
-    kept_parts = {(h, o["direction"]) for o in kept for h in o["H"]}
+    kept_parts = set(stamps)
     if kept:
-        lines.append(f"# {_parts_text(measured)} measured in this run; {_parts_text(kept_parts)} kept "
-                     f"from the run of {stamp}")
+        runs = sorted(set(stamps.values()), reverse=True)
+        lines.append(f"# {_parts_text(measured)} measured in this run; " + "; ".join(
+            f"{_parts_text({p for p in kept_parts if stamps[p] == d})} kept from the run of {d}" for d in runs))
     lines.append("")
     for hidden in sorted({h for h, _ in measured | kept_parts}):
         for backend, direction in DIRECTION_TABLES:

@@ -221,6 +221,24 @@ def test_a_forward_only_run_keeps_the_earlier_tables_backward_windows(tmp_path):
     assert [o["program"] for o in new if o["direction"] == "fwd"] == ["fwd_rows8"]
 
 
+def test_windows_kept_twice_keep_the_date_of_the_run_that_measured_them(tmp_path):
+    """A table that kept H 4096's backward from an older run, kept again by a forward-only run:
+    the header dates those windows by the run that measured them, the forward by the table's run."""
+    earlier = tmp_path / "earlier.toml"
+    earlier.write_text("# 2026-01-02: earlier run\n# fwd at H 4096 measured in this run; bwd at H 4096 kept "
+                       "from the run of 2025-12-30\n" + tune_routes.toml_text(_rows(4096), [4096], "sm_90a", "GPU"))
+    forward = [r for r in _rows(4096) if r["direction"] == "fwd"]
+    assert "# fwd at H 4096 measured in this run; bwd at H 4096 kept from the run of 2025-12-30" in (
+        _table_from(tmp_path, forward, "--keep", str(earlier)))
+    rows = [r for r in _rows(8192) if r["direction"] == "fwd"]
+    for r in rows:
+        r["H"] = 4096
+    both = tmp_path / "both.toml"
+    both.write_text(earlier.read_text() + "\n" + tune_routes.toml_text(_rows(8192), [8192], "sm_90a", "GPU"))
+    assert ("# fwd at H 4096 measured in this run; H 8192 kept from the run of 2026-01-02; bwd at H 4096 kept "
+            "from the run of 2025-12-30") in _table_from(tmp_path, rows, "--keep", str(both))
+
+
 def test_a_forward_only_run_without_keep_says_what_is_missing(tmp_path):
     with pytest.raises(SystemExit, match="H 4096 bwd: not measured"):
         _tune(tmp_path, [r for r in _rows(4096) if r["direction"] == "fwd"])

@@ -170,39 +170,55 @@ struct Forward {
   static constexpr int kSmemBytes = kReduceScratchBytes * kRowsPerThread;  // group_sums_once's
 
   static __device__ __forceinline__ void run(const cake_fwd_args_t& a) {
+    // every block but the last holds kBlockRows rows: those run without a check a row (a uniform
+    // branch: the whole block takes it, as group_sums_once's barrier needs)
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * kBlockRows;
+    if (kBlockRows == 1 || a.T - first >= kBlockRows) {
+      rows<true>(a, first);
+    } else {
+      rows<false>(a, first);
+    }
+  }
+
+  // The block's rows from `first`; kWhole: all kBlockRows of them exist.
+  template <bool kWhole>
+  static __device__ __forceinline__ void rows(const cake_fwd_args_t& a, int64_t first) {
     float* scratch = reinterpret_cast<float*>(dyn_smem());
     const int g = threadIdx.x / L::kTPR;
     const int t = threadIdx.x % L::kTPR;
-    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kBlockRows + g;
+    const int64_t row0 = first + g;
     const W* w = static_cast<const W*>(a.weight);
     if constexpr (!kWeightAhead) prefetch_weight_small_t<L>(w, t, a.T);
-    // this group's i-th row, and whether it exists (one row a block: grid = T, every row does)
+    // this group's i-th row, and whether it exists. Row i is i * kRows rows past row0: one 64-bit
+    // address a tensor and constant offsets from it, so the first load issues a few instructions
+    // in (torch.compile's H 256 kernel: 12; with an address and a clamp a row, ours was 70)
     auto row_of = [&](int i) { return row0 + i * kRows; };
-    auto exists = [&](int i) { return kBlockRows == 1 || row_of(i) < a.T; };
+    const int64_t rows_left = a.T - row0;
+    auto exists = [&](int i) { return kWhole || i * kRows < rows_left; };
     const InputLoad<kL2EvictLast> load;
-    // every row's vectors are loaded before the first row is reduced
+    const bf16* x0 = static_cast<const bf16*>(a.x) + row0 * H;
+    const bf16* r0 = kRes ? static_cast<const bf16*>(a.residual) + row0 * H : nullptr;
+    // every row's vectors are loaded before the first row is reduced; a missing row's are zeros
     uint4 vh[kRowsPerThread][L::kVPT], vr[kRowsPerThread][L::kVPT];
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const bool active = exists(i);
-      const int64_t off = active ? row_of(i) * H : 0;
-      const bf16* x = static_cast<const bf16*>(a.x) + off;
-      const bf16* r = kRes ? static_cast<const bf16*>(a.residual) + off : nullptr;
+      const int64_t off = static_cast<int64_t>(i) * kRows * H;
 #pragma unroll
       for (int k = 0; k < L::kVPT; ++k) {
-        const bool live = active && L::valid(k, t);
-        vh[i][k] = live ? load(x, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
-        vr[i][k] = kRes && live ? load(r, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+        const bool live = exists(i) && L::valid(k, t);
+        vh[i][k] = live ? load(x0 + off, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
+        vr[i][k] = kRes && live ? load(r0 + off, L::vec(k, t)) : make_uint4(0, 0, 0, 0);
       }
     }
     using Weight = typename std::conditional<kWeightAhead != 0, HeldWeight<L, W>, GlobalWeight<L, W>>::type;
     const Weight weight{w, t};
     // every row's squares, their group sums side by side (group_sums_once), every rstd, then
     // every row's outputs: forward_row's operations for each row, without a row's reduction
-    // waiting for the previous row's stores
+    // waiting for the previous row's stores. A missing row's zeros sum to +0 (never stored), so
+    // the squares need no check a row.
     float ss[kRowsPerThread];
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) ss[i] = row_squares<L, kRes>(vh[i], vr[i], t, exists(i));
+    for (int i = 0; i < kRowsPerThread; ++i) ss[i] = row_squares<L, kRes>(vh[i], vr[i], t, true);
     group_sums_once<L::kWarps>(ss, scratch, threadIdx.x / kWarpSize, g * L::kWarps);
     float rstd[kRowsPerThread];
 #pragma unroll
