@@ -61,10 +61,18 @@ def _us(ms: float) -> str:
     return f"{ms * 1e3:.2f} us"
 
 
+def _spread(row: dict, key: str) -> str:
+    """The replays' quartiles behind the median `key` (fwd_ms: fwd_q_ms) as " (a-b)" in us, or ""
+    where the run did not record them."""
+    q = row.get(key.replace("_ms", "_q_ms"))
+    return f" ({q[0] * 1e3:.2f}-{q[1] * 1e3:.2f})" if q else ""
+
+
 def _vs(what: str, ours: dict, peer: dict, key: str, limit: float) -> Check:
-    """peer's time over ours for `key` (a *_ms field), >= limit."""
+    """peer's time over ours for `key` (a *_ms field), >= limit; the detail gives both medians and,
+    where recorded, their replays' quartiles."""
     return Check(what, peer[key] / ours[key], limit, False,
-                 f"{_us(ours[key])} vs {_us(peer[key])}")
+                 f"{_us(ours[key])}{_spread(ours, key)} vs {_us(peer[key])}{_spread(peer, key)}")
 
 
 def checks(doc: dict, goals: Goals = Goals()) -> Iterator[Check]:

@@ -49,8 +49,10 @@ def measure_point(impls, hidden, tokens):
     unfit: dict = {}  # {implementation: error}: ran out of GPU memory here, left out of this point
     with torch.no_grad():
         nograd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit)
-    fwd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit)
-    step_ms = graph_times_ms(steps, reps, out_of_memory=unfit)
+    fwd_q: dict = {}
+    step_q: dict = {}  # {implementation: (first, third quartile)} of the replays
+    fwd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit, spread=fwd_q)
+    step_ms = graph_times_ms(steps, reps, out_of_memory=unfit, spread=step_q)
     # an eager step at small T is a fraction of a millisecond: more calls a batch
     eager_ms = eager_times_ms(steps, reps=50 if tokens <= SMALL_T else 5, out_of_memory=unfit)
     elems = tokens * hidden
@@ -58,7 +60,8 @@ def measure_point(impls, hidden, tokens):
     for name in (n for n in impls if n not in unfit):
         bwd_ms = max(step_ms[name] - fwd_ms[name], 1e-6)
         rows.append({"impl": name, "H": hidden, "T": tokens, "fwd_ms": fwd_ms[name],
-                     "fwd_nograd_ms": nograd_ms[name],
+                     "fwd_nograd_ms": nograd_ms[name], "fwd_q_ms": list(fwd_q[name]),
+                     "step_q_ms": list(step_q[name]),
                      "bwd_ms": bwd_ms, "step_ms": step_ms[name], "eager_step_ms": eager_ms[name],
                      "fwd_gbs": 4 * elems / fwd_ms[name] / 1e6, "bwd_gbs": 6 * elems / bwd_ms / 1e6})
     return rows, unfit

@@ -14,7 +14,7 @@ import ctypes
 import random
 import statistics
 import time
-from typing import Callable, Dict, Hashable, Optional
+from typing import Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 
@@ -105,10 +105,21 @@ def _fitting(fns: Dict[Hashable, Callable], prepare: Callable,
     return prepared
 
 
+def quartiles(samples) -> Tuple[float, float]:
+    """The first and third quartiles of `samples` (both the one sample where there is one)."""
+    if len(samples) < 2:
+        return samples[0], samples[0]
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return q1, q3
+
+
 def graph_times_ms(fns: Dict[Hashable, Callable], reps: int = 20,
-                   out_of_memory: Optional[dict] = None) -> Dict[Hashable, float]:
+                   out_of_memory: Optional[dict] = None,
+                   spread: Optional[dict] = None) -> Dict[Hashable, float]:
     """Median time of one call of each fn, replayed as a CUDA graph after an L2 flush, interleaved.
-    out_of_memory: see _fitting (the fns that did not fit are missing from the result)."""
+    out_of_memory: see _fitting (the fns that did not fit are missing from the result). spread: a
+    dict to receive each fn's quartiles (first, third), to tell a steady gap between two medians
+    from replays that scatter across it."""
     flush = L2Flush()
     graphs = _fitting(fns, _capture, out_of_memory)
     times: Dict[Hashable, list] = {key: [] for key in graphs}
@@ -122,6 +133,8 @@ def graph_times_ms(fns: Dict[Hashable, Callable], reps: int = 20,
             end.synchronize()
             times[key].append(start.elapsed_time(end))
     del graphs
+    if spread is not None:
+        spread.update({key: quartiles(t) for key, t in times.items()})
     return {key: statistics.median(t) for key, t in times.items()}
 
 

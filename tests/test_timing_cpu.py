@@ -76,3 +76,12 @@ def test_an_implementation_that_does_not_fit_is_left_out_with_its_reason(monkeyp
 def test_out_of_memory_propagates_unless_asked_to_leave_out():
     with pytest.raises(torch.OutOfMemoryError):
         timing._fitting({"too_big": _oom}, lambda fn: fn(), None)
+
+
+def test_quartiles_bracket_the_median_and_show_a_scatter():
+    steady = [4.2, 4.3, 4.25, 4.3, 4.2, 4.25, 4.3]
+    split = [4.2, 4.8, 4.2, 4.8, 4.2, 4.8, 4.8]  # two modes: the median alone hides it
+    assert timing.quartiles(steady) == pytest.approx((4.225, 4.3))
+    q1, q3 = timing.quartiles(split)
+    assert (q1, q3) == pytest.approx((4.2, 4.8))
+    assert timing.quartiles([5.0]) == (5.0, 5.0)
