@@ -189,11 +189,13 @@ def kept_windows(path: Path, measured):
     run_date = dates[0] if dates else "(undated)"
     older = {}
     header = re.search(r"^# .* measured in this run; (.*)$", text, re.M)
-    for parts, date in re.findall(r"(.+?) kept from the run of (\S+?)(?:; |$)", header[1] if header else ""):
+    kept_text = header[1] if header else ""
+    for parts, date in re.findall(r"(.+?) kept from the run of (\S+?)(?:; |$)", kept_text):
         older.update(dict.fromkeys(_parsed_parts(parts), date))
     kept = [o for o in tomllib.loads(text).get("override", [])
             if not any((h, o["direction"]) in measured for h in o["H"])]
-    return kept, {(h, o["direction"]): older.get((h, o["direction"]), run_date) for o in kept for h in o["H"]}
+    parts = {(h, o["direction"]) for o in kept for h in o["H"]}
+    return kept, {part: older.get(part, run_date) for part in parts}
 
 
 def _parts_text(parts) -> str:
@@ -230,8 +232,9 @@ def toml_text(rows, widths, arch, device_name, limits=None, keep=None) -> str:
     kept_parts = set(stamps)
     if kept:
         runs = sorted(set(stamps.values()), reverse=True)
-        lines.append(f"# {_parts_text(measured)} measured in this run; " + "; ".join(
-            f"{_parts_text({p for p in kept_parts if stamps[p] == d})} kept from the run of {d}" for d in runs))
+        kept_text = "; ".join(f"{_parts_text({p for p in kept_parts if stamps[p] == d})} kept from the "
+                              f"run of {d}" for d in runs)
+        lines.append(f"# {_parts_text(measured)} measured in this run; {kept_text}")
     lines.append("")
     for hidden in sorted({h for h, _ in measured | kept_parts}):
         for backend, direction in DIRECTION_TABLES:
