@@ -1,7 +1,11 @@
 """Issue 4's speed goals (acceptance 4 and 5) checked over a benchmark run's bench.json: every
 check printed with its figures, the failing ones marked FAIL; exit status 1 if any fails.
 
-    python benchmarks/acceptance.py results/bench.json [--failures-only]
+    python benchmarks/acceptance.py results/bench.json [more runs' bench.json ...] [--failures-only]
+
+Given several runs (of one device), each is checked in turn, then every check that failed in any
+of them is listed with its value in each run: a miss in every run is the code's, one that comes
+and goes is the measurement's to explain first.
 
 Ratios are a peer's time over ours, as in the benchmark's table (> 1: we are faster), except the
 copy fractions (our effective GB/s over the device's copy bandwidth) and the eager step (our time
@@ -107,24 +111,61 @@ def checks(doc: dict, goals: Goals = Goals()) -> Iterator[Check]:
                                   f"{_us(best['eager_step_ms'])}")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("bench_json", help="bench.json of benchmarks/bench_rmsnorm.py")
-    ap.add_argument("--failures-only", action="store_true", help="print the failing checks only")
-    args = ap.parse_args(argv)
-    path = Path(args.bench_json)
+def _read(path: Path) -> dict:
     try:
-        doc = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise SystemExit(f"bench_json {str(path)!r}: not a readable bench.json ({e})") from None
-    results: List[Check] = list(checks(doc))
-    print(f"{doc.get('device', '?')}: copy {doc['copy_gbs']:.0f} GB/s")
-    for check in results:
-        if not (args.failures_only and check.ok):
-            print(check.line())
-    failed = sum(not c.ok for c in results)
-    print(f"{len(results) - failed} of {len(results)} checks pass, {failed} fail")
-    return 1 if failed else 0
+
+
+def across_runs(runs: List[List[Check]]) -> List[str]:
+    """For several runs' checks: a line for each check that failed in any run, with its value in
+    every run (k of n), the ones that failed in every run first; then the counts."""
+    by_what: Dict[str, List[Check]] = {}
+    for results in runs:
+        for check in results:
+            by_what.setdefault(check.what, []).append(check)
+    n = len(runs)
+    rows = []
+    for what, seen in by_what.items():
+        failed = sum(not c.ok for c in seen)
+        if failed:
+            sign = "<=" if seen[0].at_most else ">="
+            values = ", ".join(f"{c.value:.3f}" for c in seen)
+            rows.append((-failed, f"FAIL in {failed} of {n} runs: {what}: {values} (goal {sign} "
+                                  f"{seen[0].limit:g})"))
+    lines = [line for _, line in sorted(rows, key=lambda r: r[0])]
+    always = sum(1 for k, _ in rows if -k == n)
+    lines.append(f"across {n} runs: {len(by_what) - len(rows)} of {len(by_what)} checks pass in "
+                 f"every run, {always} fail in every run, {len(rows) - always} in some")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bench_json", nargs="+", help="bench.json of benchmarks/bench_rmsnorm.py; "
+                                                  "several: runs of one device, also compared")
+    ap.add_argument("--failures-only", action="store_true", help="print the failing checks only")
+    args = ap.parse_args(argv)
+    docs = [_read(Path(f)) for f in args.bench_json]
+    devices = sorted({d.get("device", "?") for d in docs})
+    if len(devices) > 1:
+        raise SystemExit(f"bench_json: runs of different devices ({', '.join(devices)}); compare "
+                         f"runs of one device")
+    runs: List[List[Check]] = []
+    for path, doc in zip(args.bench_json, docs):
+        results = list(checks(doc))
+        runs.append(results)
+        print(f"{path}: {doc.get('device', '?')}: copy {doc['copy_gbs']:.0f} GB/s"
+              if len(docs) > 1 else f"{doc.get('device', '?')}: copy {doc['copy_gbs']:.0f} GB/s")
+        for check in results:
+            if not (args.failures_only and check.ok):
+                print(check.line())
+        failed = sum(not c.ok for c in results)
+        print(f"{len(results) - failed} of {len(results)} checks pass, {failed} fail")
+    if len(runs) > 1:
+        print("\n".join(across_runs(runs)))
+    return 1 if any(not c.ok for results in runs for c in results) else 0
 
 
 if __name__ == "__main__":

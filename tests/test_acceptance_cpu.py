@@ -100,6 +100,35 @@ def test_a_failing_line_gives_the_replays_quartiles_where_recorded():
     assert "6.20 us vs 6.00 us)" in next(c.line() for c in acceptance.checks(doc) if "det bwd" in c.what)
 
 
+def test_several_runs_list_each_miss_with_its_value_in_every_run(tmp_path, capsys):
+    docs = [_doc(), _doc()]
+    _set(docs[0], "cake_det", 128, fwd_ms=0.0052)   # a miss in both runs
+    _set(docs[1], "cake_det", 128, fwd_ms=0.0053)
+    _set(docs[1], "cake_fast", 4096, fwd_ms=0.0052)  # a miss in one
+    paths = []
+    for i, doc in enumerate(docs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(doc))
+    assert acceptance.main([str(p) for p in paths] + ["--failures-only"]) == 1
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[-3:] == [
+        "FAIL in 2 of 2 runs: H 2048 T 128 cake_det fwd vs torch_compile: 0.981, 0.962 (goal >= 1)",
+        "FAIL in 1 of 2 runs: H 2048 T 4096 cake_fast fwd vs torch_compile: 1.020, 0.981 (goal >= 1)",
+        "across 2 runs: 15 of 17 checks pass in every run, 1 fail in every run, 1 in some"]
+    assert f"{paths[0]}: made up: copy 4000 GB/s" in out
+
+
+def test_runs_of_different_devices_are_refused(tmp_path):
+    docs = [_doc(), dict(_doc(), device="other")]
+    paths = []
+    for i, doc in enumerate(docs):
+        paths.append(str(tmp_path / f"run{i}.json"))
+        Path(paths[-1]).write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="runs of different devices"):
+        acceptance.main(paths)
+
+
 def test_unreadable_file_is_named(tmp_path):
     with pytest.raises(SystemExit) as e:
         acceptance.main([str(tmp_path / "missing.json")])
