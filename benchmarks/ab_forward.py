@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from library_calls import EPS, FwdCall, inputs, load_folder, open_entry, read_index  # noqa: E402
+from peers import FACTORIES  # noqa: E402
 from timing import graph_times_ms  # noqa: E402
 
 from cake_rmsnorm.accuracy import same_bits  # noqa: E402
@@ -100,8 +101,6 @@ def main(argv=None) -> int:
     if unpaired:
         print(f"in one folder only, not compared: {', '.join(unpaired)}")
     folders = [load_folder(f)[0] for f in (args.old, args.new)]
-    from peers import FACTORIES
-
     compiled = FACTORIES["torch_compile"]()
     points = []
     for tokens in (int(t) for t in args.tokens.split(",")):

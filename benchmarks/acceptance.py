@@ -126,19 +126,19 @@ def across_runs(runs: List[List[Check]]) -> List[str]:
         for check in results:
             by_what.setdefault(check.what, []).append(check)
     n = len(runs)
-    rows = []
+    misses = []  # (runs failed, line)
     for what, seen in by_what.items():
         failed = sum(not c.ok for c in seen)
         if failed:
             sign = "<=" if seen[0].at_most else ">="
             values = ", ".join(f"{c.value:.3f}" for c in seen)
-            rows.append((-failed, f"FAIL in {failed} of {n} runs: {what}: {values} (goal {sign} "
-                                  f"{seen[0].limit:g})"))
-    lines = [line for _, line in sorted(rows, key=lambda r: r[0])]
-    always = sum(1 for k, _ in rows if -k == n)
-    lines.append(f"across {n} runs: {len(by_what) - len(rows)} of {len(by_what)} checks pass in "
-                 f"every run, {always} fail in every run, {len(rows) - always} in some")
-    return lines
+            misses.append((failed, f"FAIL in {failed} of {n} runs: {what}: {values} (goal {sign} "
+                                   f"{seen[0].limit:g})"))
+    misses.sort(key=lambda m: -m[0])  # stable: each group keeps the checks' order
+    always = sum(failed == n for failed, _ in misses)
+    return [line for _, line in misses] + [
+        f"across {n} runs: {len(by_what) - len(misses)} of {len(by_what)} checks pass in every run, "
+        f"{always} fail in every run, {len(misses) - always} in some"]
 
 
 def main(argv=None) -> int:
@@ -156,8 +156,8 @@ def main(argv=None) -> int:
     for path, doc in zip(args.bench_json, docs):
         results = list(checks(doc))
         runs.append(results)
-        print(f"{path}: {doc.get('device', '?')}: copy {doc['copy_gbs']:.0f} GB/s"
-              if len(docs) > 1 else f"{doc.get('device', '?')}: copy {doc['copy_gbs']:.0f} GB/s")
+        which = f"{path}: " if len(docs) > 1 else ""
+        print(f"{which}{doc.get('device', '?')}: copy {doc['copy_gbs']:.0f} GB/s")
         for check in results:
             if not (args.failures_only and check.ok):
                 print(check.line())

@@ -49,8 +49,8 @@ def measure_point(impls, hidden, tokens):
     unfit: dict = {}  # {implementation: error}: ran out of GPU memory here, left out of this point
     with torch.no_grad():
         nograd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit)
-    fwd_q: dict = {}
-    step_q: dict = {}  # {implementation: (first, third quartile)} of the replays
+    fwd_q: dict = {}  # {implementation: (first, third quartile)} of its replays
+    step_q: dict = {}
     fwd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit, spread=fwd_q)
     step_ms = graph_times_ms(steps, reps, out_of_memory=unfit, spread=step_q)
     # an eager step at small T is a fraction of a millisecond: more calls a batch
