@@ -93,12 +93,13 @@ def check_args(x: Tensor, weight: Tensor, residual: Optional[Tensor], eps) -> No
 
 
 def check_device(x: Tensor, weight: Tensor, residual: Optional[Tensor]) -> None:
-    if x.device.type != "cuda":
+    if not x.is_cuda:  # (x.device builds a device object: on the hot path, once is enough)
         raise ValueError(f"x is on device {x.device}; cake_rmsnorm runs on CUDA devices only")
-    if weight.device != x.device:
+    device = x.device
+    if weight.device != device:
         raise ValueError(f"weight is on {weight.device}, x on {x.device}: they must share a device")
-    if residual is not None and residual.device != x.device:
-        raise ValueError(f"residual is on {residual.device}, x on {x.device}: they must share "
+    if residual is not None and residual.device != device:
+        raise ValueError(f"residual is on {residual.device}, x on {device}: they must share "
                          f"a device")
 
 

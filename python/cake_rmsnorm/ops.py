@@ -109,6 +109,11 @@ def _like(t: Tensor) -> Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
+# y, h (None without residual), rstd, and the x and weight launched on (row-major, aligned: the
+# backward may take them as they are)
+_Forward = Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]
+
+
 def _ready(t: Tensor) -> Tuple[Tensor, int]:
     """t row-major and 16-byte aligned, as the ABI requires (a copy where it is not), and its
     address."""
@@ -137,18 +142,18 @@ def _on_device(index: int, launch, *args) -> None:
 
 
 def _launch_fwd(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
-                backend: str, checked: bool = False) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+                backend: str, checked: bool = False) -> _Forward:
     """checked: the caller (rms_norm's eager path) has already run the public checks."""
     if not checked:
         checks.check_op(x, weight, residual, eps=eps, backend=backend)
     tokens, hidden = x.shape
-    y = _like(x)
-    h = None if residual is None else _like(x)
-    rstd = torch.empty((tokens,), dtype=torch.float32, device=x.device)
-    if tokens == 0:
-        return y, h, rstd
-    x, x_ptr = _ready(x)
+    x, x_ptr = _ready(x)  # first: the outputs below are empty_like a row-major x
     weight, w_ptr = _ready(weight)
+    y = torch.empty_like(x)
+    h = None if residual is None else torch.empty_like(x)
+    rstd = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    if tokens == 0:
+        return y, h, rstd, x, weight
     r_ptr = h_ptr = _NULL
     if residual is not None:
         residual, r_ptr = _ready(residual)
@@ -158,13 +163,13 @@ def _launch_fwd(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: floa
                       residual is not None)
     _on_device(index, lib.fwd, x_ptr, r_ptr, w_ptr, y.data_ptr(), h_ptr, rstd.data_ptr(), tokens,
                eps)
-    return y, h, rstd
+    return y, h, rstd, x, weight
 
 
 # ---- the custom ops ---------------------------------------------------------------------------
 @torch.library.custom_op("cake_rmsnorm::fwd", mutates_args=())
 def _fwd(x: Tensor, weight: Tensor, eps: float, backend: str) -> Tuple[Tensor, Tensor]:
-    y, _, rstd = _launch_fwd(x, None, weight, eps, backend)
+    y, _, rstd, _, _ = _launch_fwd(x, None, weight, eps, backend)
     return y, rstd
 
 
@@ -176,7 +181,7 @@ def _fwd_fake(x: Tensor, weight: Tensor, eps: float, backend: str) -> Tuple[Tens
 @torch.library.custom_op("cake_rmsnorm::fwd_residual", mutates_args=())
 def _fwd_residual(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
                   backend: str) -> Tuple[Tensor, Tensor, Tensor]:
-    y, h, rstd = _launch_fwd(x, residual, weight, eps, backend)
+    y, h, rstd, _, _ = _launch_fwd(x, residual, weight, eps, backend)
     return y, h, rstd  # type: ignore[return-value]
 
 
@@ -189,31 +194,31 @@ def _fwd_residual_fake(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
 def _launch_bwd(dy: Tensor, dresidual_out: Optional[Tensor], x: Tensor, weight: Tensor,
                 rstd: Tensor, backend: str, residual: bool,
                 checked: bool = False) -> Tuple[Tensor, Tensor]:
-    """checked: x, weight and rstd are what the checked forward saved, and autograd gives dy (and
-    dresidual_out) the shape, dtype and device of the forward's outputs."""
+    """checked: x, weight and rstd are what the checked forward launched on and saved (row-major,
+    aligned: _Forward), and autograd gives dy (and dresidual_out) the shape, dtype and device of the
+    forward's outputs."""
     if not checked:
         checks.check_op(x, weight, dy, dresidual_out, backend=backend, rstd=rstd)
+        x, weight, rstd = _ready(x)[0], _ready(weight)[0], _ready(rstd)[0]
     tokens, hidden = x.shape
-    dx = _like(x)
-    dw = _like(weight)
+    dx = torch.empty_like(x)
+    dw = torch.empty_like(weight)
     if tokens == 0:
         return dx, dw.zero_()
     dy, dy_ptr = _ready(dy)
-    x, x_ptr = _ready(x)
-    weight, w_ptr = _ready(weight)
-    rstd, rstd_ptr = _ready(rstd)
     index = x.get_device()
     lib, sm_count = _library(index, backend, "bwd", hidden, tokens, _WEIGHT_DTYPES[weight.dtype],
                              residual)
     ws_bytes = lib.bwd_workspace_bytes(tokens, sm_count)
     # held until the launch is queued: the allocator orders its reuse on this stream
-    workspace = torch.empty((ws_bytes,), dtype=torch.uint8, device=x.device) if ws_bytes else None
+    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=x.device) if ws_bytes else None
     dres_ptr = _NULL
     if dresidual_out is not None:
         dresidual_out, dres_ptr = _ready(dresidual_out)
-    _on_device(index, lib.bwd, dy_ptr, dres_ptr, x_ptr, w_ptr, rstd_ptr, dx.data_ptr(),
-               dw.data_ptr(), workspace.data_ptr() if workspace is not None else _NULL, ws_bytes,
-               tokens, _grid_cap)
+    _on_device(index, lib.bwd, dy_ptr, dres_ptr, x.data_ptr(), weight.data_ptr(), rstd.data_ptr(),
+               dx.data_ptr(), dw.data_ptr(),
+               workspace.data_ptr() if workspace is not None else _NULL, ws_bytes, tokens,
+               _grid_cap)
     return dx, dw
 
 
@@ -266,7 +271,7 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, backend):  # type: ignore[override]
-        y, h, rstd = _launch_fwd(x, residual, weight, eps, backend, checked=True)
+        y, h, rstd, x, weight = _launch_fwd(x, residual, weight, eps, backend, checked=True)
         ctx.save_for_backward(x if h is None else h, weight, rstd)
         ctx.backend, ctx.residual = backend, h is not None
         return y if h is None else (y, h)
@@ -310,21 +315,21 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Optional[Te
     shape = x.shape
     hidden = shape[-1]
     flat = len(shape) == 2
-
-    def rows(t: Tensor) -> Tensor:
-        t = t.contiguous()
-        return t if flat else t.view(-1, hidden)
-
-    def back(t: Tensor) -> Tensor:
-        return t if flat else t.view(shape)
-
-    x2, weight = rows(x), weight.contiguous()
-    r2 = None if residual is None else rows(residual)
+    x2, weight = _rows(x, hidden, flat), weight.contiguous()
+    r2 = None if residual is None else _rows(residual, hidden, flat)
     if _eager(x, weight, residual):
         out = _apply_eager(_unwrap_if_dead(x2), None if r2 is None else _unwrap_if_dead(r2),
                            _unwrap_if_dead(weight), float(eps), backend)
-        return back(out) if r2 is None else (back(out[0]), back(out[1]))
-    if r2 is None:
-        return back(_fwd(x2, weight, float(eps), backend)[0])
-    y, h, _ = _fwd_residual(x2, r2, weight, float(eps), backend)
-    return back(y), back(h)
+    elif r2 is None:
+        out = _fwd(x2, weight, float(eps), backend)[0]
+    else:
+        out = _fwd_residual(x2, r2, weight, float(eps), backend)[:2]
+    if flat:
+        return out
+    return out.view(shape) if r2 is None else (out[0].view(shape), out[1].view(shape))
+
+
+def _rows(t: Tensor, hidden: int, flat: bool) -> Tensor:
+    """t as row-major [T, H] rows."""
+    t = t.contiguous()
+    return t if flat else t.view(-1, hidden)
