@@ -2,7 +2,8 @@
 torch.compile and Liger (where it imports), same inputs, same run.
 
 - kernel time: median CUDA-graph replay with L2 flushed; forward alone, and forward + backward
-  captured whole (the backward is their difference, so autograd runs on the capturing stream).
+  captured whole (the backward is their difference, so autograd runs on the capturing stream);
+  at T <= 16384 each implementation captured 3 times and the replays pooled (timing.py).
   The forward is timed twice: recording autograd (`fwd_ms`: the forward a training step runs, the
   one the step's time contains; torch.compile's training kernel also stores rstd for its backward)
   and under no_grad (`fwd_nograd_ms`: torch.compile's inference kernel, which stores no rstd; ours
@@ -29,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import OURS, available  # noqa: E402
 from report import markdown, plots  # noqa: E402
-from timing import (SMALL_T, copy_bandwidth_gbs, eager_times_ms, graph_times_ms,  # noqa: E402
-                    replays_for)
+from timing import (SMALL_T, captures_for, copy_bandwidth_gbs, eager_times_ms,  # noqa: E402
+                    graph_times_ms, replays_for)
 
 EPS = 1e-6
 
@@ -45,16 +46,18 @@ def measure_point(impls, hidden, tokens):
     fwds = {name: (lambda impl=impl: impl(x, w, EPS)) for name, impl in impls.items()}
     steps = {name: (lambda impl=impl: torch.autograd.grad(impl(x, w, EPS), (x, w), dy))
              for name, impl in impls.items()}
-    reps = replays_for(tokens)
+    reps, captures = replays_for(tokens), captures_for(tokens)
     unfit: dict = {}  # {implementation: error}: ran out of GPU memory here, left out of this point
     with torch.no_grad():
-        nograd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit)
+        nograd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit, captures=captures)
     fwd_q: dict = {}  # {implementation: (first, third quartile)} of its replays
     step_q: dict = {}
-    fwd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit, spread=fwd_q)
-    step_ms = graph_times_ms(steps, reps, out_of_memory=unfit, spread=step_q)
-    # an eager step at small T is a fraction of a millisecond: more calls a batch
-    eager_ms = eager_times_ms(steps, reps=50 if tokens <= SMALL_T else 5, out_of_memory=unfit)
+    fwd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit, spread=fwd_q, captures=captures)
+    step_ms = graph_times_ms(steps, reps, out_of_memory=unfit, spread=step_q, captures=captures)
+    # an eager step at small T is a fraction of a millisecond: more calls a batch, more batches
+    small = tokens <= SMALL_T
+    eager_ms = eager_times_ms(steps, reps=50 if small else 5, batches=15 if small else 9,
+                              out_of_memory=unfit)
     elems = tokens * hidden
     rows = []
     for name in (n for n in impls if n not in unfit):

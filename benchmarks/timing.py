@@ -11,6 +11,7 @@ forward kernels differed by up to 12% at T 262144; interleaved, by at most 1.2%.
 from __future__ import annotations
 
 import ctypes
+import gc
 import random
 import statistics
 import time
@@ -26,6 +27,12 @@ SMALL_T = 16384
 
 def replays_for(tokens: int) -> int:
     return 60 if tokens <= SMALL_T else 20
+
+
+def captures_for(tokens: int) -> int:
+    """Graphs captured per implementation (graph_times_ms): a graph's own offset is tenths of a
+    microsecond, which matters only where the kernels take a few microseconds."""
+    return 3 if tokens <= SMALL_T else 1
 
 
 class L2Flush:
@@ -115,27 +122,43 @@ def quartiles(samples) -> Tuple[float, float]:
 
 def graph_times_ms(fns: Dict[Hashable, Callable], reps: int = 20,
                    out_of_memory: Optional[dict] = None,
-                   spread: Optional[dict] = None) -> Dict[Hashable, float]:
+                   spread: Optional[dict] = None, captures: int = 1) -> Dict[Hashable, float]:
     """Median time of one call of each fn, replayed as a CUDA graph after an L2 flush, interleaved.
     out_of_memory: see _fitting (the fns that did not fit are missing from the result). spread: a
     dict to receive each fn's quartiles (first, third), to tell a steady gap between two medians
-    from replays that scatter across it."""
+    from replays that scatter across it. captures: each fn captured that many times (each graph
+    with outputs of its own), every graph replayed `reps` times, a fn's replays pooled. Why: a
+    graph keeps its own offset. On the H200 three captures of one implementation differed steadily
+    by up to 0.2 us at T <= 4096 (torch.compile at H 2048 T 128: 5.45, 5.03, 5.04 us; our routed
+    H 256 T 4096 forward 5.36 to 5.52, the same in two trials), as much as the gaps measured."""
     flush = L2Flush()
-    graphs = _fitting(fns, _capture, out_of_memory)
-    times: Dict[Hashable, list] = {key: [] for key in graphs}
-    for order in _rotations(graphs, reps):
-        for key in order:
-            flush()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs[key].replay()
-            end.record()
-            end.synchronize()
-            times[key].append(start.elapsed_time(end))
+    graphs = _fitting(fns, lambda fn: [_capture(fn) for _ in range(captures)], out_of_memory)
+    slots = [(key, i) for key, captured in graphs.items() for i in range(len(captured))]
+    samples = _pooled(slots, reps, lambda key, i: _replay_ms(flush, graphs[key][i]))
     del graphs
     if spread is not None:
-        spread.update({key: quartiles(t) for key, t in times.items()})
-    return {key: statistics.median(t) for key, t in times.items()}
+        spread.update({key: quartiles(t) for key, t in samples.items()})
+    return {key: statistics.median(t) for key, t in samples.items()}
+
+
+def _replay_ms(flush: L2Flush, graph: torch.cuda.CUDAGraph) -> float:
+    flush()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _pooled(slots, reps: int, measure: Callable) -> Dict[Hashable, list]:
+    """{key: samples}: every (key, capture) slot measured `reps` times, interleaved (_rotations),
+    the samples of a key's captures pooled."""
+    samples: Dict[Hashable, list] = {key: [] for key, _ in slots}
+    for order in _rotations(slots, reps):
+        for key, i in order:
+            samples[key].append(measure(key, i))
+    return samples
 
 
 def graph_time_ms(fn, reps: int = 20) -> float:
@@ -155,17 +178,27 @@ def eager_times_ms(fns: Dict[Hashable, Callable], reps: int = 50, batches: int =
     """Wall time of one eager call of each fn (host overhead included): the fastest of `batches`
     batches of reps calls, per call, the implementations' batches interleaved. Host noise (other
     processes, clock changes) only ever adds time, so the fastest batch is the steadiest figure.
-    out_of_memory: see _fitting."""
+    The garbage collector is off while a batch runs (as in timeit): a collection would land on
+    whichever implementation happened to be running. out_of_memory: see _fitting."""
     fns = _fitting(fns, _warm, out_of_memory)
     best = {key: float("inf") for key in fns}
-    for order in _rotations(fns, batches):
-        for key in order:
-            fn = fns[key]
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
-            best[key] = min(best[key], (time.perf_counter() - t0) * 1e3 / reps)
+    collecting = gc.isenabled()
+    try:
+        for order in _rotations(fns, batches):
+            for key in order:
+                fn = fns[key]
+                gc.collect()
+                gc.disable()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                torch.cuda.synchronize()
+                best[key] = min(best[key], (time.perf_counter() - t0) * 1e3 / reps)
+                if collecting:
+                    gc.enable()
+    finally:
+        if collecting:
+            gc.enable()
     return best
 
 

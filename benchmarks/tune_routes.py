@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from library_calls import BwdCall, FwdCall, fp32_rstd, inputs, load_folder, open_entry  # noqa: E402
-from timing import graph_times_ms, replays_for  # noqa: E402
+from timing import captures_for, graph_times_ms, replays_for  # noqa: E402
 
 from cake_rmsnorm import accuracy  # noqa: E402
 from cake_rmsnorm.registry import LibraryKey, load_registry  # noqa: E402
@@ -88,7 +88,9 @@ def allowed(entry, tokens, reg) -> bool:
 def measure_point(folder, index, reg, hidden, tokens, sm, plan=None):
     """Every candidate at (hidden, tokens): [{program, direction, ms, worst}]. A direction's
     candidates are timed interleaved (timing.graph_times_ms), on one set of outputs: one after
-    another, clock and host drifts over the run landed on whichever ran at a bad moment."""
+    another, clock and host drifts over the run landed on whichever ran at a bad moment. At small
+    T each is captured several times (timing.captures_for): one graph's own offset was as large
+    as the gaps between candidates."""
     x, _, dy, _, w = inputs(hidden, tokens, "fp32", False)
     rstd = fp32_rstd(x)
     ref = accuracy.reference_dw(x, dy, rstd)
@@ -105,8 +107,8 @@ def measure_point(folder, index, reg, hidden, tokens, sm, plan=None):
             torch.cuda.synchronize()
             worst = accuracy.dw_errors(call.dw, ref)[0] if direction == "bwd" else 0.0
             calls[entry["name"]] = (entry, call, worst)
-        times = (graph_times_ms({name: c[1] for name, c in calls.items()}, replays_for(tokens))
-                 if calls else {})
+        times = (graph_times_ms({name: c[1] for name, c in calls.items()}, replays_for(tokens),
+                                captures=captures_for(tokens)) if calls else {})
         for name, (entry, _, worst) in calls.items():
             rows.append(dict(H=hidden, T=tokens, program=entry["program"], direction=direction,
                              form=entry["form"], deterministic=entry["deterministic"], ms=times[name],

@@ -85,3 +85,36 @@ def test_quartiles_bracket_the_median_and_show_a_scatter():
     q1, q3 = timing.quartiles(split)
     assert (q1, q3) == pytest.approx((4.2, 4.8))
     assert timing.quartiles([5.0]) == (5.0, 5.0)
+
+
+def test_captures_are_each_replayed_and_pooled_per_implementation():
+    # two implementations, three captures each, every capture with a steady offset of its own
+    offset = {("a", 0): 5.0, ("a", 1): 5.4, ("a", 2): 5.1, ("b", 0): 5.2, ("b", 1): 5.2,
+              ("b", 2): 5.2}
+    seen = []
+
+    def measure(key, i):
+        seen.append((key, i))
+        return offset[(key, i)]
+
+    samples = timing._pooled(list(offset), 4, measure)
+    assert sorted(set(seen)) == sorted(offset) and len(seen) == 4 * len(offset)
+    assert all(seen.count(slot) == 4 for slot in offset)  # every graph replayed reps times
+    assert sorted(samples["a"]) == sorted([5.0, 5.4, 5.1] * 4)  # a key's captures pooled
+    assert sorted(samples["b"]) == [5.2] * 12
+    # one capture alone would have put "a" ahead (5.0) or behind (5.4); pooled, its median is 5.1
+    import statistics
+    assert statistics.median(samples["a"]) == 5.1
+
+
+def test_eager_batches_run_with_the_collector_off_and_restore_it(monkeypatch):
+    import gc
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    states = []
+    fns = {"a": lambda: states.append(gc.isenabled()), "b": lambda: states.append(gc.isenabled())}
+    assert gc.isenabled()
+    best = timing.eager_times_ms(fns, reps=3, batches=2)
+    assert set(best) == {"a", "b"} and all(v >= 0 for v in best.values())
+    assert len(states) == 5 * 2 + 2 * 2 * 3  # _warm's calls (collector on), then the batches
+    assert states[:10] == [True] * 10 and not any(states[10:])
+    assert gc.isenabled()
