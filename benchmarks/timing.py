@@ -183,11 +183,13 @@ def eager_times_ms(fns: Dict[Hashable, Callable], reps: int = 50, batches: int =
     fns = _fitting(fns, _warm, out_of_memory)
     best = {key: float("inf") for key in fns}
     collecting = gc.isenabled()
+    # Collections run between batches only. (Not gc.collect() before each: a full collection with
+    # torch loaded took 0.1 s on the CPU here, 75 of them a small-T point, and the H100 benchmark
+    # with them ran past 420 s.)
     try:
         for order in _rotations(fns, batches):
             for key in order:
                 fn = fns[key]
-                gc.collect()
                 gc.disable()
                 t0 = time.perf_counter()
                 for _ in range(reps):
