@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import OURS, available  # noqa: E402
 from report import markdown, plots  # noqa: E402
-from timing import (SMALL_T, captures_for, copy_bandwidth_gbs, eager_times_ms,  # noqa: E402
-                    graph_times_ms, replays_for)
+from timing import (captures_for, copy_bandwidth_gbs, eager_batches_for,  # noqa: E402
+                    eager_times_ms, graph_times_ms, replays_for)
 
 EPS = 1e-6
 
@@ -54,10 +54,8 @@ def measure_point(impls, hidden, tokens):
     step_q: dict = {}
     fwd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit, spread=fwd_q, captures=captures)
     step_ms = graph_times_ms(steps, reps, out_of_memory=unfit, spread=step_q, captures=captures)
-    # an eager step at small T is a fraction of a millisecond: more calls a batch, more batches
-    small = tokens <= SMALL_T
-    eager_ms = eager_times_ms(steps, reps=50 if small else 5, batches=15 if small else 9,
-                              out_of_memory=unfit)
+    calls, batches = eager_batches_for(tokens)
+    eager_ms = eager_times_ms(steps, reps=calls, batches=batches, out_of_memory=unfit)
     elems = tokens * hidden
     rows = []
     for name in (n for n in impls if n not in unfit):

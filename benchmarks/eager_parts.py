@@ -22,12 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from library_calls import EPS, BwdCall, FwdCall  # noqa: E402
 from peers import available  # noqa: E402
-from timing import eager_times_ms  # noqa: E402
+from timing import eager_batches_for, eager_times_ms  # noqa: E402
 
 from cake_rmsnorm import ops  # noqa: E402
-
-EPS = 1e-6
 
 
 class _Null(torch.autograd.Function):
@@ -66,22 +65,17 @@ def _without_launches(step):
 
 
 def _launches(x, w, dy, backend):
-    """Our routed forward and backward library calls on preallocated outputs (det at T 128 routes
-    a backward with no workspace; one with a workspace is given one)."""
+    """Our routed forward and backward libraries called on preallocated tensors (library_calls),
+    and their programs."""
     index, (tokens, hidden) = x.get_device(), x.shape
     fwd, _ = ops._library(index, backend, "fwd", hidden, tokens, "fp32", False)
     bwd, sm = ops._library(index, backend, "bwd", hidden, tokens, "fp32", False)
-    y, dx, dw = torch.empty_like(x), torch.empty_like(x), torch.empty_like(w)
-    rstd = torch.empty(tokens, dtype=torch.float32, device=x.device)
-    ws_bytes = bwd.bwd_workspace_bytes(tokens, sm)
-    ws = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=x.device)
+    fwd_call = FwdCall(fwd, x, None, w)
+    bwd_call = BwdCall(bwd, x, dy, None, w, fwd_call.rstd, sm)
 
     def run():
-        stream = ops._stream(index)
-        fwd.fwd(x.data_ptr(), 0, w.data_ptr(), y.data_ptr(), 0, rstd.data_ptr(), tokens, EPS,
-                stream)
-        bwd.bwd(dy.data_ptr(), 0, x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
-                dw.data_ptr(), ws.data_ptr(), ws_bytes, tokens, 0, stream)
+        fwd_call()
+        bwd_call()
     return run, f"{fwd.program} + {bwd.program}"
 
 
@@ -113,8 +107,9 @@ def main(argv=None) -> int:
                 steps["no_launch"] = _without_launches(steps["cake_det"])
             steps["launches"] = launches
             print(f"H {hidden} T {tokens} (det: {programs}), us per step, fastest first:")
+            calls, batches = eager_batches_for(tokens)  # as the benchmark's eager step
             for trial in range(args.trials):
-                us = {k: v * 1e3 for k, v in eager_times_ms(steps).items()}
+                us = {k: v * 1e3 for k, v in eager_times_ms(steps, calls, batches).items()}
                 print(f"  trial {trial}: " + "; ".join(
                     f"{k} {v:.1f}" for k, v in sorted(us.items(), key=lambda kv: kv[1])))
     return 0

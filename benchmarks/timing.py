@@ -29,6 +29,12 @@ def replays_for(tokens: int) -> int:
     return 60 if tokens <= SMALL_T else 20
 
 
+def eager_batches_for(tokens: int) -> Tuple[int, int]:
+    """(calls a batch, batches) for eager_times_ms: an eager step at small T is a fraction of a
+    millisecond, so more calls a batch and more batches there."""
+    return (50, 15) if tokens <= SMALL_T else (5, 9)
+
+
 def captures_for(tokens: int) -> int:
     """Graphs captured per implementation (graph_times_ms): a graph's own offset is tenths of a
     microsecond, which matters only where the kernels take a few microseconds."""
