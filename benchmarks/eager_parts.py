@@ -3,12 +3,14 @@ part out, timed interleaved like the benchmark's eager step (timing.eager_times_
 
     null         torch.autograd.grad through an autograd.Function that does nothing (a view)
     null_alloc   the same, allocating what ours allocates (y and rstd forward, dx and dw backward)
-    no_launch    our step with the two library calls left out (everything else as it is)
+    python_det   our step through the Python autograd.Function (the native C++ step left out)
+    no_launch    python_det with the two library calls left out (everything else as it is)
     launches     our two library calls alone (the routed libraries, on preallocated tensors)
-    cake_det, cake_fast and the peers: the benchmark's steps
+    cake_det, cake_fast and the peers: the benchmark's steps (the native step where installed)
 
 Their differences give the autograd engine's part (null), the allocations' (null_alloc - null),
-our Python's (no_launch - null_alloc) and the launches' (cake_det - no_launch).
+the Python path's own (no_launch - null_alloc), the launches' (python_det - no_launch), and what
+the native step saves (python_det - cake_det).
 
     python3 benchmarks/eager_parts.py [--widths 256,2048] [--tokens 128] [--trials 3]
 """
@@ -27,6 +29,7 @@ from peers import available  # noqa: E402
 from timing import eager_batches_for, eager_times_ms  # noqa: E402
 
 from cake_rmsnorm import ops  # noqa: E402
+from cake_rmsnorm.runtime import native  # noqa: E402
 
 
 class _Null(torch.autograd.Function):
@@ -52,16 +55,26 @@ class _NullAlloc(torch.autograd.Function):
         return torch.empty_like(x), torch.empty_like(w)
 
 
-def _without_launches(step):
-    """step() with ops._on_device (the one place a library is called) doing nothing."""
+def _patched(step, module, name, value):
+    """step() with module.name set to value while it runs."""
     def run():
-        saved = ops._on_device
-        ops._on_device = lambda *args: None
+        saved = getattr(module, name)
+        setattr(module, name, value)
         try:
             return step()
         finally:
-            ops._on_device = saved
+            setattr(module, name, saved)
     return run
+
+
+def _python_path(step):
+    """step() through the Python autograd.Function, the native step left out."""
+    return _patched(step, native, "step_op", lambda: None)
+
+
+def _without_launches(step):
+    """The Python path's step() with ops._on_device (where it calls a library) doing nothing."""
+    return _python_path(_patched(step, ops, "_on_device", lambda *args: None))
 
 
 def _launches(x, w, dy, backend):
@@ -88,7 +101,8 @@ def main(argv=None) -> int:
     impls, missing = available()
     for name, why in missing.items():
         print(f"left out {name}: {why}")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, native step: "
+          f"{native.status().detail}")
     for hidden in map(int, args.widths.split(",")):
         for tokens in map(int, args.tokens.split(",")):
             gen = torch.Generator(device="cuda").manual_seed(hidden + tokens)
@@ -104,6 +118,7 @@ def main(argv=None) -> int:
             steps["null"] = grad(lambda: _Null.apply(x, w), (x,))
             steps["null_alloc"] = grad(lambda: _NullAlloc.apply(x, w))
             if "cake_det" in steps:
+                steps["python_det"] = _python_path(steps["cake_det"])
                 steps["no_launch"] = _without_launches(steps["cake_det"])
             steps["launches"] = launches
             print(f"H {hidden} T {tokens} (det: {programs}), us per step, fastest first:")

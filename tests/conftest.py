@@ -25,3 +25,16 @@ def scratch(tmp_path):
         assert old in text, f"{old!r} not in {name}"
         path.write_text(text.replace(old, new, 1))
     return data, edit
+
+
+@pytest.fixture(scope="session")
+def native_library(tmp_path_factory):
+    """csrc/native/eager_step.cpp built against the installed torch (once per session: a process
+    can register its op namespace once)."""
+    pytest.importorskip("torch")
+    from cake_rmsnorm.build import native
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler")
+    out = tmp_path_factory.mktemp("native") / native.LIBRARY_NAME
+    return native.compile_native(native.installed_torch(), out)
+

@@ -1,5 +1,5 @@
-"""benchmarks/eager_parts.py's pieces that need no GPU: the step without launches leaves
-ops._on_device untouched afterwards (also when the step fails), and the null Function with
+"""benchmarks/eager_parts.py's pieces that need no GPU: the step without launches takes the
+Python path and leaves ops._on_device and native.step_op untouched afterwards (also when the step fails), and the null Function with
 allocations allocates what ours does and gives gradients of the inputs' shapes."""
 
 import sys
@@ -16,14 +16,17 @@ from cake_rmsnorm import ops  # noqa: E402
 
 def test_the_step_without_launches_calls_no_library_and_restores_the_launcher():
     original = ops._on_device
-    calls = []
+    calls, seen = [], []
 
     def step():
+        seen.append(eager_parts.native.step_op())
         ops._on_device(0, lambda *a: calls.append(a), 1, 2)
         return "done"
 
+    step_op = eager_parts.native.step_op
     assert eager_parts._without_launches(step)() == "done"
-    assert calls == [] and ops._on_device is original
+    assert calls == [] and seen == [None]  # the Python path, without its library calls
+    assert ops._on_device is original and eager_parts.native.step_op is step_op
 
     def failing():
         raise RuntimeError("boom")

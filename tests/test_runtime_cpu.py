@@ -275,14 +275,23 @@ def test_cake_info_mismatch_is_refused(tmp_path, monkeypatch, field, value):
 
 
 # ---- the op's host path on CPU tensors, through stub libraries ----------------------------------
-@pytest.fixture(params=["eager", "custom_op"])
+@pytest.fixture(params=["native", "eager", "custom_op"])
 def stub_op(request, monkeypatch, tmp_path):
     """ops with a pretend H200 and stub libraries for H=256, fp32 weight (pointers only recorded);
-    eager calls through the autograd.Function fast path, then through the custom ops."""
+    eager calls through the native C++ step, through the autograd.Function fast path, then
+    through the custom ops."""
     torch = pytest.importorskip("torch")
     from cake_rmsnorm import checks, ops
+    from cake_rmsnorm.runtime import native
 
-    monkeypatch.setattr(ops, "EAGER_FAST_PATH", request.param == "eager")
+    monkeypatch.setattr(ops, "EAGER_FAST_PATH", request.param != "custom_op")
+    if request.param == "native":
+        monkeypatch.setenv(native.ENV_LIB, str(request.getfixturevalue("native_library")))
+    else:
+        monkeypatch.setenv(native.ENV_OFF, "0")
+    native.reset()
+    request.addfinalizer(native.reset)
+    assert (native.step_op() is not None) == (request.param == "native"), native.status().detail
 
     # every window of H 256's tables at FP32 weight: the tests' T may land in any of them
     libs = [_lib(b, d, 256, w.first, "fp32", r) for b in ("det", "fast") for d in ("fwd", "bwd")
@@ -351,7 +360,9 @@ def test_op_forward_and_backward_pass_the_right_pointers(stub_op):
     y = ops.rms_norm(x, w, eps=0.5, backend="det")
     assert y.shape == x.shape and y.dtype == torch.bfloat16
     node = y.grad_fn.next_functions[0][0]  # under the view back to 3-D
-    assert ("_Eager" in type(node).__name__) == ops.EAGER_FAST_PATH, type(node)
+    native = ops.native.step_op() is not None
+    assert ("_Eager" in type(node).__name__) == (ops.EAGER_FAST_PATH and not native), type(node)
+    assert ("Step" in node.name()) == native, node.name()
     [(name, args, stream)] = [t for t in _last(ops, "fwd") if t[1].T]
     assert name == _lib("det", "fwd", 256, 300).name
     assert (args.x, args.weight, args.residual, args.T, args.eps, stream) == (
@@ -543,3 +554,15 @@ def test_custom_ops_called_directly_guard_their_inputs(stub_op):
         torch.ops.cake_rmsnorm.bwd(x, None, x, w, torch.zeros(3), "det", False)
     y, rstd = torch.ops.cake_rmsnorm.fwd(x, w, 1e-6, "det")  # and the good call goes through
     assert y.shape == x.shape and rstd.shape == (4,)
+
+
+def test_a_call_wanting_no_gradient_loads_no_backward_library(stub_op):
+    torch, ops = stub_op
+    x = torch.randn(300, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(256, requires_grad=True)
+    with torch.no_grad():
+        y = ops.rms_norm(x, w, backend="det")
+    assert y.grad_fn is None
+    ops.rms_norm(x.detach(), w.detach(), backend="fast")
+    assert [n for n, a, _ in _last(ops, "fwd") if a.T == 300]
+    assert not [n for n, _, _ in _last(ops, "bwd")]

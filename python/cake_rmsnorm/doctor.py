@@ -5,7 +5,8 @@ count, opt-in and oversized shared-memory limits), the installed provider wheels
 versions (importlib metadata and find_spec: no provider is imported), and per device which gated
 programs (above the opt-in limit) this process would run or skip, with the fallback used.
 Needs no torch; without a GPU (no libcudart, no driver, no device) it says so and still reports the
-installed wheels. Always exits 0: it diagnoses, it does not judge.
+installed wheels, and (where torch is installed) whether the eager step runs as the native C++
+node. Always exits 0: it diagnoses, it does not judge.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .runtime import capability
 from .runtime.capability import Capability, CudaQueryError, version_text
 from .runtime.router import decide
 
-OTHER_DISTRIBUTIONS = ("nvidia-cuda-runtime", "torch")
+OTHER_DISTRIBUTIONS = ("cake-rmsnorm-native", "nvidia-cuda-runtime", "torch")
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Report:
     gpu_problem: str = ""  # non-empty: no usable GPU, and why
     devices: List[DeviceReport] = field(default_factory=list)
     wheels: List[Tuple[str, str]] = field(default_factory=list)  # (distribution, version / status)
+    native: str = ""  # the eager step's native C++ node: in use (from where) or why not
 
 
 def _dist_version(name: str) -> Optional[str]:
@@ -104,8 +106,17 @@ def _gated(reg: Registry, arch: str, cap: Capability) -> List[Tuple[str, int, st
     return rows
 
 
+def _native_status() -> str:
+    """runtime/native.py's verdict; it needs torch, so only where torch is installed."""
+    if importlib.util.find_spec("torch") is None:
+        return "not used (torch is not installed)"
+    from .runtime import native
+    status = native.status()
+    return f"in use ({status.detail})" if status.op is not None else f"not used: {status.detail}"
+
+
 def collect(reg: Registry) -> Report:
-    report = Report(wheels=installed_wheels(reg))
+    report = Report(wheels=installed_wheels(reg), native=_native_status())
     try:
         cudart = capability._cudart()
     except (CakeError, OSError) as exc:
@@ -173,6 +184,8 @@ def render(report: Report, reg: Registry) -> str:
                 lines.append(f"  gated {name} ({need} B): {runs} ({why})")
     lines.append("installed wheels:")
     lines += [f"  {name}: {status}" for name, status in report.wheels]
+    if report.native:
+        lines.append(f"native eager step: {report.native}")
     return "\n".join(lines)
 
 

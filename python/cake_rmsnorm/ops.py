@@ -14,6 +14,7 @@ CUDA context.
 
 import bisect
 import os
+import re
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -23,8 +24,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import checks
 from .checks import BACKENDS, WIDTHS, resolve_backend  # noqa: F401  (re-exported)
 from .checks import WEIGHT_DTYPES as _WEIGHT_DTYPES
+from .errors import LaunchError
 from .registry import TableKey, load_registry
-from .runtime import abi, device, loader, router
+from .runtime import abi, device, loader, native, router
 
 __all__ = ["rms_norm", "resolve_backend", "set_grid_cap", "get_grid_cap"]
 
@@ -127,16 +129,15 @@ def _ready(t: Tensor) -> Tuple[Tensor, int]:
 _current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
-def _on_device(index: int, launch, *args) -> None:
-    """launch(*args, stream) with `index` the current CUDA device and its current stream; the
-    device is switched (and restored) only when it is not already current."""
+def _on_device(index: int, launch, *args):
+    """launch(*args, stream) with `index` the current CUDA device and its current stream, and its
+    result; the device is switched (and restored) only when it is not already current."""
     prev = _current_device()
     if prev == index:
-        launch(*args, _stream(index))
-        return
+        return launch(*args, _stream(index))
     torch.cuda.set_device(index)
     try:
-        launch(*args, _stream(index))
+        return launch(*args, _stream(index))
     finally:
         torch.cuda.set_device(prev)
 
@@ -283,6 +284,34 @@ class _Eager(torch.autograd.Function):
         return dx, (dx if ctx.residual else None), dw, None, None
 
 
+def _native_step(op, x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float,
+                 backend: str):
+    """The eager step through the native C++ node (runtime/native.py): this point's forward and
+    backward libraries picked here, as _launch_fwd and _launch_bwd pick them, and handed over by
+    address. The backward's grid cap and workspace are fixed now; it runs on this stream."""
+    tokens, hidden = x.shape
+    index = x.get_device()
+    weight_dtype, res = _WEIGHT_DTYPES[weight.dtype], residual is not None
+    fwd, _ = _library(index, backend, "fwd", hidden, tokens, weight_dtype, res)
+    bwd_entry = ws_bytes = 0  # no gradient wanted: no node is made, no backward library loaded
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (res and residual.requires_grad)):  # type: ignore[union-attr]
+        bwd, sm_count = _library(index, backend, "bwd", hidden, tokens, weight_dtype, res)
+        bwd_entry, ws_bytes = bwd.entry, bwd.bwd_workspace_bytes(tokens, sm_count)
+    try:
+        out = _on_device(index, op, x, residual, weight, eps, fwd.entry, bwd_entry,
+                         fwd.entry_hidden, ws_bytes, _grid_cap)
+    except RuntimeError as exc:  # the C++ forward's failed launch, as the Python path reports it
+        rc = _NATIVE_LAUNCH.search(str(exc))
+        if rc is None:
+            raise
+        raise LaunchError(abi._launch_message(fwd.name, "cake_fwd", int(rc.group(1)))) from None
+    return out[0] if residual is None else (out[0], out[1])
+
+
+_NATIVE_LAUNCH = re.compile(r"the forward launch failed with CUDA error (-?\d+)")
+
+
 # _Eager.apply less Function.apply's Python preamble, which only serves functorch transforms (ruled
 # out by _eager()) and setup_context (which _Eager does not define): the C++ apply, with the
 # preamble's one other step, unwrapping dead functorch wrappers, done on the tensors here. A third
@@ -318,8 +347,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, residual: Optional[Te
     x2, weight = _rows(x, hidden, flat), weight.contiguous()
     r2 = None if residual is None else _rows(residual, hidden, flat)
     if _eager(x, weight, residual):
-        out = _apply_eager(_unwrap_if_dead(x2), None if r2 is None else _unwrap_if_dead(r2),
-                           _unwrap_if_dead(weight), float(eps), backend)
+        x2, weight = _unwrap_if_dead(x2), _unwrap_if_dead(weight)
+        r2 = None if r2 is None else _unwrap_if_dead(r2)
+        step = native.step_op()
+        if step is not None and x2.shape[0]:
+            out = _native_step(step, x2, r2, weight, float(eps), backend)
+        else:
+            out = _apply_eager(x2, r2, weight, float(eps), backend)
     elif r2 is None:
         out = _fwd(x2, weight, float(eps), backend)[0]
     else:

@@ -27,7 +27,7 @@ import cake_rmsnorm  # noqa: E402
 from cake_rmsnorm import checks, ops  # noqa: E402
 from cake_rmsnorm.accuracy import same_bits  # noqa: E402
 from cake_rmsnorm.registry import TableKey, load_registry  # noqa: E402
-from cake_rmsnorm.runtime import abi  # noqa: E402
+from cake_rmsnorm.runtime import abi, native  # noqa: E402
 from cake_rmsnorm.runtime.device import device_info  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -153,7 +153,8 @@ CASES = [
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Counts every routing (ops._library) and every library call (abi.Library.fwd/bwd)."""
+    """Counts every routing (ops._library) and every library call (abi.Library.fwd/bwd, and the
+    native step's forward)."""
     count = {"route": 0, "fwd": 0, "bwd": 0}
     real_library = ops._library
 
@@ -168,6 +169,18 @@ def launches(monkeypatch):
             count[_name] += 1
             return _real(self, *args)
         monkeypatch.setattr(abi.Library, name, counted)
+    real_step_op = native.step_op
+
+    def step_op():  # the native step: its forward counted here, its backward runs in C++
+        op = real_step_op()
+        if op is None:
+            return None
+
+        def counted(*args):
+            count["fwd"] += 1
+            return op(*args)
+        return counted
+    monkeypatch.setattr(native, "step_op", step_op)
     return count
 
 

@@ -163,22 +163,54 @@ def test_public_api_shapes_strides_and_empty():
     assert torch.equal(wg.grad, torch.zeros_like(w)) and empty.grad.shape == empty.shape
 
 
+def _eager_paths():
+    """The op's paths to compare: the custom ops, the Python eager path, and the native C++ step
+    where it is in use here."""
+    from cake_rmsnorm.runtime import native
+    native.reset()
+    return ["custom_op", "python"] + (["native"] if native.step_op() is not None else [])
+
+
 @pytest.mark.parametrize("residual", [False, True])
-def test_eager_fast_path_matches_the_custom_ops_bitwise(residual, monkeypatch):
+@pytest.mark.parametrize("backend", ["det", "fast"])
+def test_eager_paths_match_the_custom_ops_bitwise(backend, residual, monkeypatch):
+    """The same libraries run on every path: y, h and dx bitwise equal; dw too for det (fast's dw
+    combine order is free)."""
+    from cake_rmsnorm.runtime import native
     inp = _inputs(4096, 300)
     r, dh = (inp["r"], inp["dh"]) if residual else (None, None)
     got = {}
-    for fast in (True, False):
-        monkeypatch.setattr(ops, "EAGER_FAST_PATH", fast)
+    step = native.status().op
+    for path in _eager_paths():
+        monkeypatch.setattr(ops, "EAGER_FAST_PATH", path != "custom_op")
+        monkeypatch.setattr(native, "step_op", lambda op=step if path == "native" else None: op)
         x = inp["x"].clone().requires_grad_()
         w = inp["w"]["fp32"].clone().requires_grad_()
         rr = None if r is None else r.clone().requires_grad_()
-        out = cake_rmsnorm.rms_norm(x, w, residual=rr, backend="det")
+        out = cake_rmsnorm.rms_norm(x, w, residual=rr, backend=backend)
         outs, grads = ([out], [inp["dy"]]) if r is None else (list(out), [inp["dy"], dh])
         torch.autograd.backward(outs, grads)
-        got[fast] = [o.detach() for o in outs] + [x.grad, w.grad]
-    for a, b in zip(got[True], got[False]):
-        assert same_bits(a, b)
+        got[path] = [o.detach() for o in outs] + [x.grad] + ([w.grad] if backend == "det" else [])
+        if rr is not None:
+            assert same_bits(rr.grad, x.grad), path
+    for path, tensors in got.items():
+        for i, (a, b) in enumerate(zip(tensors, got["custom_op"])):
+            assert same_bits(a, b), f"{path}: output {i} differs from the custom ops'"
+
+
+def test_native_step_is_in_use_where_installed():
+    """An installed native wheel built for this torch must load (else the op would silently run
+    its slower Python path)."""
+    import importlib.util
+    from cake_rmsnorm.runtime import native
+    if importlib.util.find_spec(native.PACKAGE) is None:
+        pytest.skip(f"{native.PACKAGE} is not installed")
+    native.reset()
+    status = native.status()
+    import cake_rmsnorm_native
+    if cake_rmsnorm_native.TORCH_VERSION != native.public_version(torch.__version__):
+        pytest.skip(status.detail)
+    assert status.op is not None, status.detail
 
 
 class _Net(torch.nn.Module):

@@ -22,7 +22,9 @@ from .._version import __version__
 from ..manifest import (MANIFEST_NAME, SCHEMA_VERSION, LibraryEntry, Manifest, ManifestError,
                         provider_package, sha256_file)
 from ..registry import Arch, load_registry
+from ..runtime.native import PACKAGE as NATIVE_PACKAGE
 from .layout import ArchTree
+from .native import LIBRARY_NAME as NATIVE_LIBRARY
 from .toolchain import require_cuobjdump
 from .wheel import record_hash
 
@@ -117,6 +119,13 @@ def _verify_wheel(path: Path, widths: Optional[Iterable[int]], cuobjdump: Path) 
             if version != __version__:
                 problems.append(f"{path}: version {version}, this cake-rmsnorm is {__version__}")
             for need in ("cake_rmsnorm/__init__.py", "cake_rmsnorm/registry/data/routes.toml"):
+                if need not in names:
+                    problems.append(f"{path}: lacks {need}")
+            return problems
+        if dist == NATIVE_PACKAGE:  # build/native.py: <ours>+torch<T>, the library inside
+            if version.split("+", 1)[0] != __version__:
+                problems.append(f"{path}: version {version}, this cake-rmsnorm is {__version__}")
+            for need in (f"{NATIVE_PACKAGE}/__init__.py", f"{NATIVE_PACKAGE}/{NATIVE_LIBRARY}"):
                 if need not in names:
                     problems.append(f"{path}: lacks {need}")
             return problems

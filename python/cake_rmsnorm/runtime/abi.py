@@ -112,6 +112,11 @@ class Library:
                                  [ctypes.c_int64, ctypes.c_int32])
             self._bwd = _function(cdll, name, "cake_bwd", ctypes.c_int,
                                   [ctypes.POINTER(BwdArgs), ctypes.c_void_p])
+        # the launch call's address, for callers outside Python (runtime/native.py's C++ step);
+        # a generic library's takes H (AtHidden.entry_hidden)
+        call = self._fwd_h or self._fwd if direction == "fwd" else self._bwd_h or self._bwd
+        self.entry: int = ctypes.cast(call, ctypes.c_void_p).value or 0
+        self.entry_hidden = 0
 
     @classmethod
     def open(cls, path: Path, *, name: str, program: str, direction: str, hidden: int,
@@ -244,6 +249,10 @@ class AtHidden:
             workspace: int, workspace_bytes: int, tokens: int, grid_cap: int, stream: int) -> None:
         self.library.bwd_h(dy, dresidual_out, x, weight, rstd, dx, dw, workspace, workspace_bytes,
                            tokens, grid_cap, self.hidden, stream)
+
+    @property
+    def entry_hidden(self) -> int:
+        return self.hidden
 
     def __getattr__(self, name: str):  # name, path, cdll, info, direction, program: the library's
         return getattr(self.library, name)
