@@ -53,7 +53,8 @@ _grid_cap: int = _env_grid_cap()
 def set_grid_cap(blocks: int) -> None:
     """Cap the backward's blocks per kernel (0 = the library's own grid); det's bits do not change.
     Programs that run in thread-block clusters (fast's `_k4`/`_k8`) round it down to whole clusters,
-    one cluster at least."""
+    one cluster at least. A step through the native C++ node (runtime/native.py) takes the cap in
+    force at its forward; the Python paths, the one at its backward."""
     global _grid_cap
     if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 0:
         raise ValueError(f"grid_cap must be an int >= 0, got {blocks!r}")
