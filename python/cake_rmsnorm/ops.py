@@ -8,6 +8,8 @@ x is [T, H] bf16 (the wrapper flattens leading dims), weight [H] fp32 or bf16; H
 or any other multiple of 8 up to checks.MAX_HIDDEN (the generic libraries). The ops are opaque
 to torch.compile (register_fake gives their shapes) and launch through the provider's C ABI on
 torch's current stream: no host sync, every buffer from torch's allocator (CUDA-graph safe).
+In eager mode `rms_norm` skips the custom ops: it runs one autograd.Function (_Eager), or, where
+the native step's wheel for this torch is installed (runtime/native.py), one C++ autograd node.
 Importing this module imports torch and reads the registry; it loads no library and creates no
 CUDA context.
 """
@@ -310,6 +312,7 @@ def _native_step(op, x: Tensor, residual: Optional[Tensor], weight: Tensor, eps:
     return out[0] if residual is None else (out[0], out[1])
 
 
+# as eager_step.cpp's check_launch words a failed forward launch
 _NATIVE_LAUNCH = re.compile(r"the forward launch failed with CUDA error (-?\d+)")
 
 
