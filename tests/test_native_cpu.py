@@ -2,6 +2,9 @@
 and the wheel build/native.py writes. (The op through it: test_runtime_cpu.py's stub_op
 'native'.)"""
 
+import ctypes
+import shutil
+import subprocess
 import sys
 import zipfile
 
@@ -118,3 +121,48 @@ def test_verify_accepts_the_native_wheel_and_names_a_missing_library(tmp_path):
                 dst.writestr(item, src.read(item))
     problems = verify._verify_wheel(broken, None, tmp_path / "no-cuobjdump")
     assert any(f"lacks {native.PACKAGE}/{build_native.LIBRARY_NAME}" in p for p in problems)
+
+
+ENTRIES_C = r"""
+#include <stdint.h>
+static int64_t seen_hidden;
+int ok(const void* a, void* s) { return 0; }
+int failed(const void* a, void* s) { return 700; }
+int ok_h(const void* a, int32_t h, void* s) { seen_hidden = h; return 0; }
+int64_t last_hidden(void) { int64_t h = seen_hidden; seen_hidden = 0; return h; }
+"""
+
+
+@pytest.fixture
+def entries(tmp_path):
+    """Entry points with the ABI's signatures that succeed, fail (CUDA error 700), or take H."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "entries.c").write_text(ENTRIES_C)
+    out = tmp_path / "libentries.so"
+    subprocess.run([cc, "-shared", "-fPIC", str(tmp_path / "entries.c"), "-o", str(out)], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.last_hidden.restype = ctypes.c_int64
+    return lib, {name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                 for name in ("ok", "failed", "ok_h")}
+
+
+def test_the_step_reports_failed_launches_and_passes_hidden(native_library, entries, monkeypatch):
+    monkeypatch.setenv(native.ENV_LIB, str(native_library))
+    op = native.step_op()
+    lib, at = entries
+    x = torch.zeros(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="the forward launch failed with CUDA error 700"):
+        op(x, None, w, 1e-6, at["failed"], at["ok"], 0, 0, 0, 0)
+    [y] = op(x, None, w, 1e-6, at["ok"], at["failed"], 0, 0, 0, 0)
+    with pytest.raises(RuntimeError, match="the backward launch failed with CUDA error 700"):
+        torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    [y] = op(x, None, w, 1e-6, at["ok_h"], at["ok_h"], 8, 0, 0, 0)  # a generic library's calls
+    assert lib.last_hidden() == 8  # (and cleared)
+    dx, dw = torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    assert dx.shape == x.shape and dw.shape == w.shape and lib.last_hidden() == 8
+    with torch.no_grad():  # no gradient wanted: no backward entry needed, no node made
+        [y] = op(x, None, w, 1e-6, at["ok"], 0, 0, 0, 0, 0)
+    assert y.grad_fn is None
