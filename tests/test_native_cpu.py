@@ -53,7 +53,8 @@ def test_another_torch_keeps_the_python_path(monkeypatch, tmp_path):
     _fake_package(tmp_path, "0.0.1")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, native.PACKAGE, raising=False)
-    status = native.status()
+    with pytest.warns(RuntimeWarning, match="built for torch 0.0.1"):
+        status = native.status()
     running = native.public_version(torch.__version__)
     assert status.op is None
     assert "built for torch 0.0.1" in status.detail and f"this is torch {running}" in status.detail

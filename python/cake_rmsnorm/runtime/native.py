@@ -12,9 +12,9 @@ Where it comes from, in order:
   the cake_rmsnorm_native wheel   built for one torch version (ci/build-wheels.sh --native TORCH):
                                used only under that version (major.minor.patch), as its C++ is
                                tied to it
-Anything else (not installed, another torch, a library that does not load) keeps the Python path;
-`status()` says which and why (`cake-rmsnorm doctor` prints it). Resolved on first use, never at
-import.
+Anything else keeps the Python path (another torch, or a library that does not load, with one
+RuntimeWarning); `status()` says which and why (`cake-rmsnorm doctor` prints it). Resolved on
+first use, never at import.
 """
 
 from __future__ import annotations
@@ -75,9 +75,11 @@ def _resolve() -> NativeStatus:
     import torch
 
     built, running = package.TORCH_VERSION, public_version(torch.__version__)
-    if built != running:
-        return NativeStatus(None, f"{PACKAGE} {package.__version__} is built for torch {built}, "
-                                  f"this is torch {running}: the Python path runs")
+    if built != running:  # installed to be used: say once why it is not
+        reason = (f"{PACKAGE} {package.__version__} is built for torch {built}, this is torch "
+                  f"{running}: the Python path runs")
+        warnings.warn(f"cake_rmsnorm: native eager step: {reason}", RuntimeWarning, stacklevel=3)
+        return NativeStatus(None, reason)
     return _load(str(package.LIBRARY), f"{PACKAGE} {package.__version__}:")
 
 
