@@ -21,8 +21,13 @@ torch = pytest.importorskip("torch")
 def _resolve_fresh(monkeypatch):
     monkeypatch.delenv(native.ENV_OFF, raising=False)
     monkeypatch.delenv(native.ENV_LIB, raising=False)
+    # A fake package a test imports must not outlive it (a later test's doctor would load it).
+    installed = sys.modules.pop(native.PACKAGE, None)
     native.reset()
     yield
+    sys.modules.pop(native.PACKAGE, None)
+    if installed is not None:
+        sys.modules[native.PACKAGE] = installed
     native.reset()
 
 
@@ -52,7 +57,6 @@ def test_not_installed_names_the_wheel(monkeypatch):
 def test_another_torch_keeps_the_python_path(monkeypatch, tmp_path):
     _fake_package(tmp_path, "0.0.1")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, native.PACKAGE, raising=False)
     with pytest.warns(RuntimeWarning, match="built for torch 0.0.1"):
         status = native.status()
     running = native.public_version(torch.__version__)
