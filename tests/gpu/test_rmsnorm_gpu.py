@@ -309,7 +309,9 @@ def test_norm_alone_under_cuda_graph_is_bitwise_eager():
     def step():
         y = cake_rmsnorm.rms_norm(x, w, backend="det")
         y.backward(dy)
-        return y
+        # Detached: a captured y would keep its autograd graph (and the leaves' AccumulateGrad
+        # nodes, made on the capture stream) alive into the eager step below, which torch warns of.
+        return y.detach()
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -326,7 +328,7 @@ def test_norm_alone_under_cuda_graph_is_bitwise_eager():
     torch.cuda.synchronize()
     got = (y_static.clone(), x.grad.clone(), w.grad.clone())
     x.grad = w.grad = None
-    want = (step().detach(), x.grad, w.grad)
+    want = (step(), x.grad, w.grad)
     for name, a, b in zip(("y", "dx", "dw"), got, want):
         assert same_bits(a, b), f"{name}: graph replay differs from eager"
 
