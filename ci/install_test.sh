@@ -26,6 +26,8 @@ cd "$tmp"  # never import from the checkout
 unset PYTHONPATH CAKE_NVCC CAKE_CUOBJDUMP VIRTUAL_ENV
 "$python" -m venv venv
 pip() { venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# Not cake-rmsnorm-native, where the wheelhouse has it: it requires exactly one torch release,
+# which the wheelhouse does not carry (a user installs it only where that torch already is).
 pip install --no-index --find-links "$house" --report report.json "cake-rmsnorm[$tag]"
 
 # What pip chose: the shim and this arch's provider at one version, a wheel for this machine.

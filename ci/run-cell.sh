@@ -4,8 +4,8 @@
 #   ci/run-cell.sh IDENTIFIER [--width W,..] [-j N] [--build-dir DIR] [--out DIR] [--deps DIR]
 #                  [--cross-root DIR] [--setup] [--install-toolkit] [--no-install-test]
 #
-#   IDENTIFIER      one cell, e.g. sm100a-manylinux_x86_64 (`cake-rmsnorm matrix
-#                   --print-build-identifiers` lists them)
+#   IDENTIFIER      one cell, e.g. sm100a-manylinux_x86_64 or native-torch2.11.0-manylinux_x86_64
+#                   (`cake-rmsnorm matrix --print-build-identifiers` lists them)
 #   --width         a reduced width set (CI's quick cells): packaged and tested for those widths only
 #   --build-dir     the build tree (default build/matrix/<platform id>: one per host platform)
 #   --out           where the cell's wheels go (default build/matrix/cells/<identifier>)
@@ -21,9 +21,13 @@
 # machine in cross_from is cross-built (ci/cross/: zig as nvcc's host compiler, the target's CUDA
 # runtime from PyPI), its libraries checked (ELF machine, glibc versions) and load-tested under
 # qemu where available (ci/cross/smoke.sh); otherwise the cell needs a native runner.
+# A native cell (native-torch<T>-<platform id>) builds the native eager step's wheel for torch T
+# (python -m cake_rmsnorm.build.native) and checks it (ci/wheelhouse.py check), on its platform's
+# own machine only. It needs no CUDA toolkit (--install-toolkit is ignored; CI installs the package
+# alone instead of --setup's toolchain) and takes only --out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,23p' "$0" >&2; exit 2; }
+usage() { sed -n '2,27p' "$0" >&2; exit 2; }
 [ $# -ge 1 ] || usage
 id=$1; shift
 width="" jobs=$(nproc) build_dir="" out="" deps="" cross_root="" setup=0 install_toolkit=0 install_test=1
@@ -49,7 +53,7 @@ if [ "$setup" = 1 ]; then bash ci/setup-venv.sh build; fi
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 command -v cake-rmsnorm >/dev/null || { echo "run-cell: no cake-rmsnorm here: run with --setup" >&2; exit 2; }
 
-# The cell, from the matrix (the identifier must name exactly one cell).
+# The cell, from the matrix (the identifier must name exactly one cell): each field as cell_<key>.
 cell=$(cake-rmsnorm matrix --select "$id" --json)
 eval "$(python - "$id" "$cell" <<'EOF'
 import json, shlex, sys
@@ -57,34 +61,47 @@ ident, doc = sys.argv[1], json.loads(sys.argv[2])
 cells = [c for c in doc["include"] if c["identifier"] == ident]
 if len(cells) != 1:
     sys.exit(f"run-cell: {ident} is not a cell identifier")
-c = cells[0]
-for key in ("arch", "arch_tag", "platform", "machine", "wheel_tag", "runner", "cross_compiler",
-            "nvcc", "runtime"):
-    print(f"cell_{key}={shlex.quote(c[key])}")
-print(f"cell_cross_from={shlex.quote(' '.join(c['cross_from']))}")
-print(f"cell_requirements={shlex.quote(' '.join(c['toolkit_requirements']))}")
+for key, value in cells[0].items():
+    print(f"cell_{key}={shlex.quote(' '.join(value) if isinstance(value, list) else value)}")
 EOF
 )"
 build_dir=${build_dir:-build/matrix/$cell_platform}
 out=${out:-build/matrix/cells/$id}
 deps=${deps:-build/matrix/deps/$cell_platform}
+host=$(uname -m)
+
+if [ "$cell_kind" = native ]; then
+  # build/native.py downloads this machine's torch wheel and compiles with this host's g++.
+  if [ "$host" != "$cell_machine" ]; then
+    echo "run-cell: $id needs a $cell_machine host (CI runner $cell_runner); this is $host" >&2
+    exit 1
+  fi
+  say "native eager step for torch $cell_torch -> $out ($cell_wheel_tag)"
+  mkdir -p "$out"
+  rm -f "$out"/*.whl
+  CAKE_RMSNORM_WHEEL_PLATFORM=$cell_wheel_tag \
+    python -m cake_rmsnorm.build.native --torch "$cell_torch" --out "$out"
+  # Its ELF machine, glibc and size; the release job's assemble checks it against the other wheels.
+  python ci/wheelhouse.py check "$out"
+  say "OK: $(cd "$out" && ls *.whl | tr '\n' ' ')"
+  exit 0
+fi
 
 # Toolkit: the cell's nvcc, exactly.
 if [ "$install_toolkit" = 1 ]; then
-  say "installing toolkit: $cell_requirements"
+  say "installing toolkit: $cell_toolkit_requirements"
   # shellcheck disable=SC2086
-  python -m pip install -q --disable-pip-version-check $cell_requirements
+  python -m pip install -q --disable-pip-version-check $cell_toolkit_requirements
 fi
 real_nvcc=$(python -c "from cake_rmsnorm.build.toolchain import find_nvcc; print(find_nvcc() or '')")
 have=$(python -c "import sys; from pathlib import Path; from cake_rmsnorm.build.toolchain import nvcc_version; print(nvcc_version(Path(sys.argv[1])) or '')" "$real_nvcc" 2>/dev/null || true)
 if [ "$have" != "$cell_nvcc" ]; then
   echo "run-cell: $id is built with nvcc $cell_nvcc; this environment has '${have:-none}' ($real_nvcc);" \
-       "fix: pip install $cell_requirements   (or run with --install-toolkit)" >&2
+       "fix: pip install $cell_toolkit_requirements   (or run with --install-toolkit)" >&2
   exit 1
 fi
 
 # Native, cross, or not here.
-host=$(uname -m)
 if [ "$host" = "$cell_machine" ]; then
   mode=native
 elif [[ " $cell_cross_from " == *" $host "* ]]; then

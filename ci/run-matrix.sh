@@ -12,10 +12,12 @@
 #
 # Cells of this machine's host platform build natively; cells that can be cross-built from it
 # (ci/matrix.toml: cross_from) are cross-built; others are listed as needing their native runner
-# and left out. Cells run one after another (each compiles with -j N).
+# and left out. Native cells (the native eager step's wheel per torch release) build on their own
+# platform's machine only, go into the wheelhouse, and have no install test (it would pull torch).
+# Cells run one after another (each compiles with -j N).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-usage() { sed -n '2,15p' "$0" >&2; exit 2; }
+usage() { sed -n '2,17p' "$0" >&2; exit 2; }
 select="*" width="" jobs=$(nproc) root=build/matrix house=wheelhouse install_test=1
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -32,25 +34,35 @@ if [ -z "${VIRTUAL_ENV:-}" ] && [ -f .venv/bin/activate ]; then . .venv/bin/acti
 start=$(date +%s)
 host=$(uname -m)
 
-# Which cells run here: "identifier platform machine arch_tag mode" per line.
+# Which cells run here: "identifier kind platform machine arch_tag mode" per line.
 plan=$(cake-rmsnorm matrix --select "$select" --json | python -c "
 import json, sys
 host = sys.argv[1]
 for c in json.load(sys.stdin)['include']:
-    mode = 'native' if c['machine'] == host else 'cross' if host in c['cross_from'] else 'runner:' + c['runner']
-    print(c['identifier'], c['platform'], c['machine'], c['arch_tag'], mode)" "$host")
-built=() native=()
-while read -r id platform machine tag mode; do
+    cross = host in c.get('cross_from', [])  # native cells have none
+    mode = 'native' if c['machine'] == host else 'cross' if cross else 'runner:' + c['runner']
+    print(c['identifier'], c['kind'], c['platform'], c['machine'], c.get('arch_tag', '-'), mode)" "$host")
+built=() testable=() providers=0
+while read -r id kind platform machine tag mode; do
   case "$mode" in
     runner:*) echo "== $id: needs a $machine host (CI runner ${mode#runner:}); left out"; continue ;;
   esac
   echo "== $id ($mode)"
-  bash ci/run-cell.sh "$id" ${width:+--width "$width"} -j "$jobs" --build-dir "$root/$platform" \
-    --out "$root/cells/$id" --cross-root "$root/cross/$machine" --no-install-test < /dev/null
+  if [ "$kind" = native ]; then
+    bash ci/run-cell.sh "$id" --out "$root/cells/$id" < /dev/null
+  else
+    bash ci/run-cell.sh "$id" ${width:+--width "$width"} -j "$jobs" --build-dir "$root/$platform" \
+      --out "$root/cells/$id" --cross-root "$root/cross/$machine" --no-install-test < /dev/null
+    providers=$((providers + 1))
+    if [ "$mode" = native ]; then testable+=("$id:$tag"); fi
+  fi
   built+=("$id")
-  if [ "$mode" = native ]; then native+=("$id:$tag"); fi
 done <<< "$plan"
 [ ${#built[@]} -gt 0 ] || { echo "run-matrix: no cell of '$select' can run on this $host machine" >&2; exit 1; }
+if [ "$providers" = 0 ]; then  # a wheelhouse needs the shim, which provider cells write
+  echo "run-matrix: ${#built[@]} native cell(s), no provider cell: no wheelhouse; wheels in $root/cells"
+  exit 0
+fi
 
 echo "== wheelhouse $house"
 cells=()
@@ -60,7 +72,7 @@ python ci/wheelhouse.py deps --out "$root/deps" --select "${built[*]}" >/dev/nul
 python ci/wheelhouse.py assemble --out "$house" --deps "$root/deps" "${cells[@]}"
 
 if [ "$install_test" = 1 ]; then
-  for item in "${native[@]}"; do
+  for item in "${testable[@]}"; do
     echo "== install test ${item%%:*} (fresh venv, --no-index from $house)"
     bash ci/install_test.sh "$house" "${item##*:}" ${width:+--width "$width"}
   done

@@ -1,17 +1,22 @@
 #!/usr/bin/env python3
 """The wheelhouse: every wheel of the matrix in one folder that pip installs from, with SHA256SUMS
-and an index (index.json, index.md) listing each wheel's kind, arch, host platform, version, size
-and library count, read from the wheels themselves (file name, WHEEL, the provider manifest).
+and an index (index.json, index.md) listing each wheel's kind, arch, host platform, version, size,
+library count and torch release, read from the wheels themselves (file name, WHEEL, METADATA, the
+provider manifest).
 
     python ci/wheelhouse.py assemble --out wheelhouse [--deps DIR] CELL_DIR_OR_WHEEL...
+    python ci/wheelhouse.py check CELL_DIR_OR_WHEEL...         # each wheel's own checks only
     python ci/wheelhouse.py deps --out DIR [--select GLOB]     # pip download what providers need
 
-`assemble` checks before it writes: one version across our wheels, one provider per (arch, host
-platform), a file name seen twice must be the same bytes (every cell writes the same shim), every
-provider library's ELF machine is its wheel's and needs no newer glibc than the manylinux tag, and
-the sizes hold (provider <= 25 MB, shim <= 300 kB). The folder is written aside and swapped in
-whole; SHA256SUMS (sha256sum -c format) covers every wheel, and nothing in it depends on the time
-or the order of the inputs, so two runs from one commit give the same bytes.
+Kinds: the shim, the providers (one per arch), the optional native eager step (cake-rmsnorm-native,
+one per torch release: version <ours>+torch<T>, requiring torch==T) and the dependencies.
+`assemble` checks before it writes: one version across our wheels (a native wheel's +torch<T>
+aside), one provider per (arch, host platform) and one native wheel per (torch, host platform), a
+file name seen twice must be the same bytes (every cell writes the same shim), every provider and
+native library's ELF machine is its wheel's and needs no newer glibc than the manylinux tag, and
+the sizes hold (provider <= 25 MB, native <= 1 MB, shim <= 300 kB). The folder is written aside and
+swapped in whole; SHA256SUMS (sha256sum -c format) covers every wheel, and nothing in it depends on
+the time or the order of the inputs, so two runs from one commit give the same bytes.
 """
 
 from __future__ import annotations
@@ -29,19 +34,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from cake_rmsnorm.build.elf import elf_machine, glibc_needed
+from cake_rmsnorm.build.native import LIBRARY_NAME as NATIVE_LIBRARY
 from cake_rmsnorm.errors import CakeError
 from cake_rmsnorm.manifest import MANIFEST_NAME, Manifest, ManifestError
+from cake_rmsnorm.runtime.native import PACKAGE as NATIVE_DIST
 
 INDEX_SCHEMA = 1
 SHIM_DIST = "cake_rmsnorm"
 PROVIDER_MAX_BYTES = 25_000_000
+NATIVE_MAX_BYTES = 1_000_000  # one small library (~0.1 MB packed); more is debug info or torch
 SHIM_MAX_BYTES = 300_000
 OWN_FILES = ("SHA256SUMS", "index.json", "index.md")
-ELF_MACHINES = {62: "x86_64", 183: "aarch64"}
 WHEEL_NAME = re.compile(r"(?P<dist>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<py>[^-]+)-(?P<abi>[^-]+)"
                         r"-(?P<plat>[^-]+)\.whl")
 GLIBC_TAG = re.compile(r"manylinux_(\d+)_(\d+)_(\w+)")
-KIND_ORDER = {"shim": 0, "provider": 1, "dependency": 2}
+NATIVE_VERSION = re.compile(r"(?P<ours>[^+]+)\+torch(?P<torch>\d+\.\d+\.\d+)")
+KIND_ORDER = {"shim": 0, "provider": 1, "native": 2, "dependency": 3}
 
 
 class WheelhouseError(CakeError, RuntimeError):
@@ -55,9 +64,9 @@ class WheelhouseError(CakeError, RuntimeError):
 @dataclass(frozen=True)
 class WheelEntry:
     file: str
-    kind: str  # shim | provider | dependency
+    kind: str  # shim | provider | native | dependency
     distribution: str
-    version: str
+    version: str  # a native wheel's without its +torch<T> tag: ours, as the other wheels state it
     arch: str  # sm_100a for a provider, "" otherwise
     platform: str  # the wheel's platform tag: manylinux_2_28_aarch64, any, ...
     machine: str  # x86_64 | aarch64 | any
@@ -65,24 +74,10 @@ class WheelEntry:
     sha256: str
     libraries: int  # provider: libraries in its manifest; 0 otherwise
     toolkit: str  # provider: the nvcc version its manifest records; "" otherwise
+    torch: str  # native: the torch release it is built for and requires; "" otherwise
 
 
 # ---- reading one wheel -----------------------------------------------------------------------
-def elf_machine(data: bytes) -> str:
-    """The ELF header's e_machine, named (x86_64, aarch64), or 'not ELF'."""
-    if len(data) < 20 or data[:4] != b"\x7fELF":
-        return "not ELF"
-    number = int.from_bytes(data[18:20], "little" if data[5] == 1 else "big")
-    return ELF_MACHINES.get(number, f"EM {number}")
-
-
-def glibc_needed(data: bytes) -> Tuple[int, int]:
-    """The newest GLIBC_x.y symbol version a shared library names (its .dynstr holds one string per
-    version it needs); (0, 0) when it names none."""
-    found = [(int(a), int(b)) for a, b in re.findall(rb"GLIBC_(\d+)\.(\d+)", data)]
-    return max(found, default=(0, 0))
-
-
 def _machine_of(platform_tag: str) -> str:
     if platform_tag == "any":
         return "any"
@@ -92,11 +87,25 @@ def _machine_of(platform_tag: str) -> str:
     return "unknown"
 
 
+def _library_problems(name: str, member: str, data: bytes, machine: str,
+                      platform_tag: str) -> List[str]:
+    """A shared library runs where its wheel installs: its ELF machine is the wheel's, and it needs
+    no newer glibc than the wheel's manylinux tag promises."""
+    problems = []
+    got = elf_machine(data)
+    if got != machine:
+        problems.append(f"{name}:{member}: ELF machine {got}, the wheel is tagged {platform_tag}")
+    glibc = GLIBC_TAG.fullmatch(platform_tag)
+    needs = glibc_needed(data)
+    if glibc and needs > (int(glibc.group(1)), int(glibc.group(2))):
+        problems.append(f"{name}:{member}: needs GLIBC_{needs[0]}.{needs[1]}, newer than its "
+                        f"tag {platform_tag} allows")
+    return problems
+
+
 def _provider_problems(zf: zipfile.ZipFile, name: str, manifest: Manifest, machine: str,
                        platform_tag: str) -> List[str]:
     problems = []
-    glibc = GLIBC_TAG.fullmatch(platform_tag)
-    limit = (int(glibc.group(1)), int(glibc.group(2))) if glibc else None
     pkg = name.split("-", 1)[0]
     for entry in manifest.libraries:
         member = f"{pkg}/{entry.file}"
@@ -105,14 +114,39 @@ def _provider_problems(zf: zipfile.ZipFile, name: str, manifest: Manifest, machi
         except KeyError:
             problems.append(f"{name}: lacks {member}, which its manifest lists")
             continue
-        got = elf_machine(data)
-        if got != machine:
-            problems.append(f"{name}:{member}: ELF machine {got}, the wheel is tagged {platform_tag}")
-        needs = glibc_needed(data)
-        if limit is not None and needs > limit:
-            problems.append(f"{name}:{member}: needs GLIBC_{needs[0]}.{needs[1]}, newer than its "
-                            f"tag {platform_tag} allows")
+        problems += _library_problems(name, member, data, machine, platform_tag)
     return problems
+
+
+def _wheel_tag_problems(zf: zipfile.ZipFile, name: str, dist_info: str, plat: str) -> List[str]:
+    if f"Tag: py3-none-{plat}" not in zf.read(f"{dist_info}/WHEEL").decode().splitlines():
+        return [f"{name}: its WHEEL file does not say Tag: py3-none-{plat}"]
+    return []
+
+
+def _describe_native(path: Path, entry: dict) -> Tuple[WheelEntry, List[str]]:
+    """The native eager step's wheel: <ours>+torch<T>, requiring torch==T, one library."""
+    version = entry["version"]
+    match = NATIVE_VERSION.fullmatch(version)
+    if not match:
+        raise WheelhouseError([f"{path.name}: version {version!r}: a native wheel's is "
+                               f"<ours>+torch<release>, e.g. 0.1.0+torch2.11.0"])
+    torch = match.group("torch")
+    member = f"{NATIVE_DIST}/{NATIVE_LIBRARY}"
+    try:
+        with zipfile.ZipFile(path) as zf:
+            dist_info = f"{NATIVE_DIST}-{version}.dist-info"
+            problems = _wheel_tag_problems(zf, path.name, dist_info, entry["platform"])
+            metadata = zf.read(f"{dist_info}/METADATA").decode().splitlines()
+            problems += _library_problems(path.name, member, zf.read(member), entry["machine"],
+                                          entry["platform"])
+    except (zipfile.BadZipFile, KeyError, UnicodeDecodeError) as exc:
+        raise WheelhouseError([f"{path}: not a readable native wheel: {exc}"]) from exc
+    if f"Requires-Dist: torch=={torch}" not in metadata:
+        problems.append(f"{path.name}: its METADATA does not say Requires-Dist: torch=={torch}, "
+                        f"which its version +torch{torch} promises")
+    entry.update(version=match.group("ours"), torch=torch)
+    return WheelEntry(kind="native", **entry), problems
 
 
 def describe_wheel(path: Path) -> Tuple[WheelEntry, List[str]]:
@@ -124,17 +158,18 @@ def describe_wheel(path: Path) -> Tuple[WheelEntry, List[str]]:
     data = path.read_bytes()
     entry = dict(file=path.name, distribution=dist, version=version, platform=plat,
                  machine=_machine_of(plat), size=len(data),
-                 sha256=hashlib.sha256(data).hexdigest(), arch="", libraries=0, toolkit="")
+                 sha256=hashlib.sha256(data).hexdigest(), arch="", libraries=0, toolkit="",
+                 torch="")
     if dist == SHIM_DIST:
         return WheelEntry(kind="shim", **entry), []
+    if dist == NATIVE_DIST:
+        return _describe_native(path, entry)
     if not dist.startswith(SHIM_DIST + "_"):
         return WheelEntry(kind="dependency", **entry), []
     problems: List[str] = []
     try:
         with zipfile.ZipFile(path) as zf:
-            wheel_meta = zf.read(f"{dist}-{version}.dist-info/WHEEL").decode()
-            if f"Tag: py3-none-{plat}" not in wheel_meta.splitlines():
-                problems.append(f"{path.name}: its WHEEL file does not say Tag: py3-none-{plat}")
+            problems += _wheel_tag_problems(zf, path.name, f"{dist}-{version}.dist-info", plat)
             manifest = Manifest.from_json(zf.read(f"{dist}/{MANIFEST_NAME}").decode(),
                                           f"{path.name}:{dist}/{MANIFEST_NAME}")
             problems += _provider_problems(zf, path.name, manifest, entry["machine"], plat)
@@ -159,6 +194,28 @@ def find_wheels(inputs: Iterable[Path]) -> List[Path]:
         else:
             raise WheelhouseError([f"{item}: no such wheel or folder"])
     return found
+
+
+def _size_problems(e: WheelEntry) -> List[str]:
+    limit = {"provider": PROVIDER_MAX_BYTES, "native": NATIVE_MAX_BYTES}.get(e.kind, SHIM_MAX_BYTES)
+    if e.kind != "dependency" and e.size > limit:
+        return [f"{e.file}: {e.size} bytes, over the {limit} limit"]
+    return []
+
+
+def check(inputs: Sequence[Path]) -> List[WheelEntry]:
+    """Each wheel's own checks (as `assemble` makes them), not those across wheels: a cell's output
+    before the release job assembles it with the others (a native cell has no shim beside it)."""
+    entries, problems = [], []
+    for path in find_wheels(inputs):
+        entry, found = describe_wheel(path)
+        entries.append(entry)
+        problems += found + _size_problems(entry)
+    if not entries:
+        problems.append(f"no wheels in {', '.join(map(str, inputs))}")
+    if problems:
+        raise WheelhouseError(problems)
+    return sorted(entries, key=_sort_key)
 
 
 def collect(wheels: Sequence[Path], deps: Sequence[Path] = ()) -> Dict[str, Tuple[Path, WheelEntry]]:
@@ -186,22 +243,24 @@ def collect(wheels: Sequence[Path], deps: Sequence[Path] = ()) -> Dict[str, Tupl
     if not ours:
         problems.append("no cake-rmsnorm wheels among the inputs")
     pairs: Dict[Tuple[str, str], List[str]] = {}
+    natives: Dict[Tuple[str, str], List[str]] = {}
     for e in ours:
         if e.kind == "provider":
             pairs.setdefault((e.arch, e.machine), []).append(e.file)
-            if e.size > PROVIDER_MAX_BYTES:
-                problems.append(f"{e.file}: {e.size} bytes, over the {PROVIDER_MAX_BYTES} limit")
-        elif e.size > SHIM_MAX_BYTES:
-            problems.append(f"{e.file}: {e.size} bytes, over the {SHIM_MAX_BYTES} limit")
+        elif e.kind == "native":
+            natives.setdefault((e.torch, e.machine), []).append(e.file)
+        problems += _size_problems(e)
     problems += [f"{arch} on {machine}: several providers {files}"
                  for (arch, machine), files in sorted(pairs.items()) if len(files) > 1]
+    problems += [f"torch {torch} on {machine}: several native wheels {files}"
+                 for (torch, machine), files in sorted(natives.items()) if len(files) > 1]
     if problems:
         raise WheelhouseError(problems)
     return chosen
 
 
 def _sort_key(e: WheelEntry):
-    return (KIND_ORDER[e.kind], e.arch, e.machine, e.file)
+    return (KIND_ORDER[e.kind], e.arch, e.torch, e.machine, e.file)
 
 
 def index_json(entries: Sequence[WheelEntry]) -> str:
@@ -214,12 +273,13 @@ def index_json(entries: Sequence[WheelEntry]) -> str:
 def index_markdown(entries: Sequence[WheelEntry]) -> str:
     lines = ["# cake-rmsnorm wheelhouse", "",
              "    pip install --no-index --find-links WHEELHOUSE 'cake-rmsnorm[sm100a]'", "",
-             "| wheel | kind | arch | host platform | version | size (bytes) | libraries | toolkit |",
-             "|---|---|---|---|---|---:|---:|---|"]
+             "| wheel | kind | arch | host platform | version | size (bytes) | libraries | toolkit "
+             "| torch |",
+             "|---|---|---|---|---|---:|---:|---|---|"]
     for e in sorted(entries, key=_sort_key):
         lines.append(f"| {e.file} | {e.kind} | {e.arch or '-'} | {e.platform} | {e.version} | "
                      f"{e.size} | {e.libraries if e.kind == 'provider' else '-'} | "
-                     f"{e.toolkit or '-'} |")
+                     f"{e.toolkit or '-'} | {e.torch or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -269,7 +329,7 @@ def download_deps(out: Path, select: Optional[Sequence[str]] = None,
     out.mkdir(parents=True, exist_ok=True)
     seen = set()
     for cell in cells:
-        if cell.platform.id in seen:
+        if cell.kind != "provider" or cell.platform.id in seen:  # native cells ship no dependency
             continue
         seen.add(cell.platform.id)
         pins = [cell.toolkit.runtime, *cell.toolkit.verify_tools]
@@ -300,6 +360,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--deps", action="append", type=Path, default=[],
                    help="wheels (or folders of them) that ours need: the CUDA runtime, cuobjdump")
     p.add_argument("inputs", nargs="+", type=Path, help="wheels, or folders searched for *.whl")
+    p = sub.add_parser("check", help="each wheel's own checks, without writing a wheelhouse")
+    p.add_argument("inputs", nargs="+", type=Path, help="wheels, or folders searched for *.whl")
     p = sub.add_parser("deps", help="pip download the dependency wheels of the selected cells")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--select", action="append", help="cell identifier globs (default: all)")
@@ -310,10 +372,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for path in download_deps(args.out, args.select, args.matrix):
                 print(path)
             return 0
-        for e in assemble(args.inputs, args.out, args.deps):
-            extra = f" {e.arch} {e.libraries} libraries" if e.kind == "provider" else ""
+        checking = args.command == "check"
+        for e in check(args.inputs) if checking else assemble(args.inputs, args.out, args.deps):
+            extra = {"provider": f" {e.arch} {e.libraries} libraries",
+                     "native": f" torch {e.torch}"}.get(e.kind, "")
             print(f"{e.file}  {e.size} bytes  {e.kind}{extra}")
-        print(f"wheelhouse: {args.out} (SHA256SUMS, index.json, index.md)")
+        print("check: OK" if checking else
+              f"wheelhouse: {args.out} (SHA256SUMS, index.json, index.md)")
         return 0
     except CakeError as exc:
         print(f"wheelhouse {args.command}: error: {exc}", file=sys.stderr)

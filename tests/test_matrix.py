@@ -9,6 +9,7 @@ import platform
 import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -46,12 +47,35 @@ def test_cells_are_registry_archs_times_platforms(reg):
     platforms = [p.id for p in matrix.platforms]
     assert {p.machine for p in matrix.platforms} >= {"x86_64", "aarch64"}
     assert len(reg.archs) >= 4
-    assert len(matrix.cells) == len(reg.archs) * len(matrix.platforms)
+    providers = [c for c in matrix.cells if c.kind == "provider"]
+    assert len(providers) == len(reg.archs) * len(matrix.platforms)
     expected = [f"{a.tag}-{p}" for a in reg.archs for p in platforms]
-    assert list(matrix.identifiers) == expected
-    for cell in matrix.cells:
+    assert [c.identifier for c in providers] == expected
+    for cell in providers:
         assert cell.arch == reg.arch(cell.arch).name and cell.arch_tag == reg.arch(cell.arch).tag
         assert cell.toolkit is matrix.toolkit
+
+
+def test_native_cells_are_torch_releases_times_platforms():
+    """After the provider cells: one native cell per torch release of [native] and host platform."""
+    matrix = load_matrix()
+    releases = tomllib.loads(MATRIX.read_text())["native"]["torch"]
+    assert releases and matrix.native.torch == tuple(releases)
+    expected = [f"native-torch{t}-{p.id}" for t in releases for p in matrix.platforms]
+    kinds = [c.kind for c in matrix.cells]
+    assert kinds == sorted(kinds, key=["provider", "native"].index)
+    natives = [c for c in matrix.cells if c.kind == "native"]
+    assert [c.identifier for c in natives] == expected
+    for cell in natives:
+        assert cell.torch in releases and cell.platform in matrix.platforms
+        assert matrix.cell(cell.identifier) is cell
+
+
+def test_without_a_native_table_there_are_no_native_cells(tmp_path):
+    path = tmp_path / "matrix.toml"
+    path.write_text(re.sub(r"(?m)^\[native\]\ntorch = .*\n", "", MATRIX.read_text()))
+    matrix = load_matrix(path)
+    assert matrix.native.torch == () and {c.kind for c in matrix.cells} == {"provider"}
 
 
 def test_matrix_file_lists_no_arch(reg):
@@ -83,7 +107,8 @@ def test_pip_platforms_admit_older_manylinux_tags():
         assert all(t.endswith(p.machine) for t in tags)
 
 
-@pytest.mark.parametrize("glob", ["*", "sm10*-*_x86_64", "*aarch64", "sm90a-*", "*-manylinux_x86_64"])
+@pytest.mark.parametrize("glob", ["*", "sm10*-*_x86_64", "*aarch64", "sm90a-*", "*-manylinux_x86_64",
+                                  "native-*", "native-torch*-*_aarch64"])
 def test_select_glob(glob):
     matrix = load_matrix()
     chosen = matrix.select(glob)
@@ -139,6 +164,14 @@ BAD = [
     ("skip = []", 'skip = ["*"]', r"removes every cell"),
     ("[toolkit]", "[toolkits]", r"missing toolkit; unknown toolkits"),
     ("[[platform]]", "[[platform]", r"not valid TOML"),
+    ('torch = ["2.11.0"]', 'torch = ["2.11"]',
+     r"\[native\]: torch = \['2\.11'\]: expected a list of torch releases like 2\.11\.0"),
+    ('torch = ["2.11.0"]', 'torch = ["2.11.0", "2.10.0", "2.11.0"]',
+     r"\[native\]: torch = \['2\.11\.0', '2\.10\.0', '2\.11\.0'\]: release\(s\) 2\.11\.0 appear "
+     r"more than once"),
+    ('torch = ["2.11.0"]', 'torch = "2.11.0"', r"\[native\]: torch = '2\.11\.0': expected a list"),
+    ('torch = ["2.11.0"]', 'torch = ["2.11.0"]\narch = "sm_90a"',
+     r"\[native\]: unknown arch; accepted fields: torch"),
 ]
 
 
@@ -157,6 +190,13 @@ def test_bad_matrix_data_is_a_clear_error(tmp_path, old, new, message):
 def test_missing_matrix_file(tmp_path):
     with pytest.raises(MatrixError, match=r"cannot read the build matrix .*pass --matrix PATH"):
         load_matrix(tmp_path / "nope.toml")
+
+
+def test_skip_removes_native_cells(tmp_path):
+    path = tmp_path / "matrix.toml"
+    path.write_text(MATRIX.read_text().replace("skip = []", 'skip = ["native-*_aarch64"]', 1))
+    gone = set(load_matrix().identifiers) - set(load_matrix(path).identifiers)
+    assert gone and all(i.startswith("native-") and i.endswith("_aarch64") for i in gone)
 
 
 def test_skip_removes_cells(tmp_path):
@@ -180,6 +220,11 @@ def test_cli_select(capsys):
     assert out == [i for i in load_matrix().identifiers if i.endswith("_x86_64")]
 
 
+PROVIDER_JOB_FIELDS = {"identifier", "kind", "arch", "arch_tag", "platform", "machine", "wheel_tag",
+                       "runner", "cross_from", "cross_compiler", "toolkit", "nvcc",
+                       "toolkit_requirements", "runtime", "verify_tools"}
+
+
 def test_cli_json_is_one_line_job_matrix(capsys):
     assert main(["matrix", "--print-build-identifiers", "--json"]) == 0
     text = capsys.readouterr().out
@@ -187,9 +232,27 @@ def test_cli_json_is_one_line_job_matrix(capsys):
     cells = json.loads(text)["include"]
     matrix = load_matrix()
     assert [c["identifier"] for c in cells] == list(matrix.identifiers)
+    assert {c["kind"] for c in cells} == {"provider", "native"}
     for entry, cell in zip(cells, matrix.cells):
-        assert entry["runner"] == cell.platform.runner
-        assert entry["wheel_tag"] == cell.platform.wheel_tag and entry["arch"] == cell.arch
+        assert entry["kind"] == cell.kind
+        assert entry["runner"] == cell.platform.runner and entry["machine"] == cell.platform.machine
+        assert entry["wheel_tag"] == cell.platform.wheel_tag
+        if cell.kind == "provider":  # the fields run-cell.sh and run-matrix.sh have always read
+            assert set(entry) == PROVIDER_JOB_FIELDS and entry["arch"] == cell.arch
+        else:  # a native cell needs no toolkit
+            assert entry["torch"] == cell.torch and "nvcc" not in entry
+
+
+def test_cli_select_native_cells(capsys):
+    assert main(["matrix", "--print-build-identifiers", "--select", "native-*", "--json"]) == 0
+    cells = json.loads(capsys.readouterr().out)["include"]
+    assert cells and all(c["kind"] == "native" for c in cells)
+    natives = [c for c in load_matrix().cells if c.kind == "native"]
+    assert [c["torch"] for c in cells] == [c.torch for c in natives]
+    assert main(["matrix", "--select", "native-*"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(cells)
+    assert all(f"torch {c['torch']}" in line for c, line in zip(cells, lines))
 
 
 def test_cli_bad_select_exits_2(capsys):
@@ -260,6 +323,18 @@ def fake_provider(folder: Path, arch: str, machine: str, n_libs: int = 3, versio
     return fake_wheel(folder, pkg, version, f"manylinux_2_28_{machine}", files)
 
 
+def fake_native(folder: Path, torch: str = "2.11.0", machine: str = "x86_64", version: str = "1.2.3",
+                glibc: str = "2.17", plat: str = None, requires: str = None) -> Path:
+    """A cake-rmsnorm-native wheel as build/native.py writes it: <ours>+torch<T>, one library."""
+    full = f"{version}+torch{torch}"
+    metadata = (f"Name: cake-rmsnorm-native\nVersion: {full}\n"
+                f"Requires-Dist: {requires or f'torch=={torch}'}\n")
+    return fake_wheel(folder, wh.NATIVE_DIST, full, plat or f"manylinux_2_28_{machine}", {
+        f"{wh.NATIVE_DIST}/__init__.py": f"TORCH_VERSION = '{torch}'\n".encode(),
+        f"{wh.NATIVE_DIST}/{wh.NATIVE_LIBRARY}": fake_library(machine, glibc),
+        f"{wh.NATIVE_DIST}-{full}.dist-info/METADATA": metadata.encode()})
+
+
 @pytest.fixture
 def cells(tmp_path):
     """Two cells' output folders (each with the same shim) and a dependency folder."""
@@ -297,6 +372,34 @@ def test_wheelhouse_index_and_sums(cells):
     assert re.search(r"\| sm_103a \| manylinux_2_28_aarch64 \| 1\.2\.3 \| \d+ \| 5 \|", table)
 
 
+def test_wheelhouse_indexes_native_wheels(cells):
+    """One native wheel per (torch release, machine), indexed with its torch, summed, and at our
+    version once its +torch tag is set aside."""
+    fake_native(cells / "cells" / "n1", machine="x86_64")
+    fake_native(cells / "cells" / "n2", machine="aarch64")
+    fake_native(cells / "cells" / "n3", torch="2.10.0", machine="x86_64")
+    out = cells / "house"
+    entries = wh.assemble([cells / "cells"], out, [cells / "deps"])
+    natives = [e for e in entries if e.kind == "native"]
+    assert [(e.torch, e.machine) for e in natives] == [("2.10.0", "x86_64"), ("2.11.0", "aarch64"),
+                                                       ("2.11.0", "x86_64")]
+    kinds = ["shim", "provider", "provider", "native", "native", "native", "dependency"]
+    assert [e.kind for e in entries] == kinds
+    doc = json.loads((out / "index.json").read_text())
+    assert doc["version"] == "1.2.3"
+    by_file = {w["file"]: w for w in doc["wheels"]}
+    for e in natives:
+        assert e.version == "1.2.3" and e.file.startswith(f"{wh.NATIVE_DIST}-1.2.3+torch{e.torch}-")
+        assert (by_file[e.file]["kind"], by_file[e.file]["torch"]) == ("native", e.torch)
+    sums = (out / "SHA256SUMS").read_text()
+    for e in natives:
+        assert f"{hashlib.sha256((out / e.file).read_bytes()).hexdigest()}  {e.file}\n" in sums
+    table = (out / "index.md").read_text()
+    for e in natives:
+        assert re.search(rf"\| {re.escape(e.file)} \| native \| - \| {e.platform} \| 1\.2\.3 \| "
+                         rf"{e.size} \| - \| - \| {re.escape(e.torch)} \|", table)
+
+
 def test_wheelhouse_is_deterministic(cells):
     first = wh.assemble([cells / "cells" / "a", cells / "cells" / "b"], cells / "h1", [cells / "deps"])
     second = wh.assemble([cells / "cells" / "b", cells / "cells" / "a"], cells / "h2", [cells / "deps"])
@@ -332,6 +435,17 @@ def test_wheelhouse_refuses_a_foreign_folder(cells):
      r"several versions \['1\.2\.3', '9\.9\.9'\]"),
     (lambda d: fake_provider(d, "sm_100a", "x86_64", n_libs=2),
      r"two different files under one name"),
+    (lambda d: fake_native(d, version="9.9.9"), r"several versions \['1\.2\.3', '9\.9\.9'\]"),
+    (lambda d: (fake_native(d / "x"), fake_native(d / "y", plat="manylinux_2_34_x86_64")),
+     r"torch 2\.11\.0 on x86_64: several native wheels \['cake_rmsnorm_native-1\.2\.3\+torch2\.11\.0-"),
+    (lambda d: fake_native(d, machine="aarch64", plat="manylinux_2_28_x86_64"),
+     r"libcake_rmsnorm_native\.so: ELF machine aarch64, the wheel is tagged manylinux_2_28_x86_64"),
+    (lambda d: fake_native(d, glibc="2.32"),
+     r"libcake_rmsnorm_native\.so: needs GLIBC_2\.32, newer than its tag manylinux_2_28_x86_64"),
+    (lambda d: fake_native(d, requires="torch>=2.11"),
+     r"does not say Requires-Dist: torch==2\.11\.0, which its version \+torch2\.11\.0 promises"),
+    (lambda d: fake_wheel(d, wh.NATIVE_DIST, "1.2.3", "manylinux_2_28_x86_64", {}),
+     r"version '1\.2\.3': a native wheel's is <ours>\+torch<release>"),
 ])
 def test_wheelhouse_refuses_inconsistent_wheels(cells, make, message):
     make(cells / "cells" / "c")
@@ -344,6 +458,37 @@ def test_wheelhouse_size_limits(cells, monkeypatch):
     monkeypatch.setattr(wh, "PROVIDER_MAX_BYTES", 100)
     with pytest.raises(wh.WheelhouseError, match=r"over the 100 limit"):
         wh.assemble([cells / "cells"], cells / "house")
+
+
+def test_wheelhouse_native_size_limit(cells, monkeypatch):
+    native = fake_native(cells / "cells" / "n")
+    monkeypatch.setattr(wh, "NATIVE_MAX_BYTES", native.stat().st_size - 1)
+    with pytest.raises(wh.WheelhouseError, match=rf"{re.escape(native.name)}: \d+ bytes, over the "
+                                                 rf"{native.stat().st_size - 1} limit"):
+        wh.assemble([cells / "cells"], cells / "house")
+
+
+def test_check_takes_a_native_cell_alone(cells, capsys):
+    """A native cell has no shim beside it: `check` holds each wheel to its own checks, `assemble`
+    wants the shim too."""
+    cell = cells / "native-cell"
+    fake_native(cell)
+    assert [e.kind for e in wh.check([cell])] == ["native"]
+    assert wh.main(["check", str(cell)]) == 0
+    assert "native torch 2.11.0" in capsys.readouterr().out
+    with pytest.raises(wh.WheelhouseError, match="no cake-rmsnorm shim wheel"):
+        wh.assemble([cell], cells / "house")
+    fake_native(cells / "bad", glibc="2.34")
+    assert wh.main(["check", str(cells / "bad")]) == 2
+    assert "needs GLIBC_2.34" in capsys.readouterr().err
+
+
+def test_deps_skip_native_cells(tmp_path, monkeypatch):
+    """Native cells ship no dependency (their torch is the user's): nothing to download."""
+    def no_pip(*args, **kwargs):
+        raise AssertionError(f"pip ran for native cells: {args}")
+    monkeypatch.setattr(wh.subprocess, "run", no_pip)
+    assert wh.download_deps(tmp_path / "deps", "native-*") == []
 
 
 def test_wheelhouse_needs_the_shim(cells):
@@ -375,9 +520,11 @@ def test_workflow_reads_the_matrix_instead_of_listing_cells(reg):
     assert "fromJSON(needs.matrix.outputs.cells)" in text
     assert "runs-on: ${{ matrix.runner }}" in text
     assert "ci/run-cell.sh" in text and "ci/wheelhouse.py assemble" in text
+    assert "matrix.kind" in text  # native cells skip the toolkit and the install test
     matrix = load_matrix()
     for name in [a.name for a in reg.archs] + [a.tag for a in reg.archs] + \
-            [p.wheel_tag for p in matrix.platforms] + [p.id for p in matrix.platforms]:
+            [p.wheel_tag for p in matrix.platforms] + [p.id for p in matrix.platforms] + \
+            list(matrix.native.torch):
         assert name not in text, f"{name} is matrix data; the workflow must read it, not repeat it"
 
 

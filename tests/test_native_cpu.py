@@ -11,7 +11,7 @@ import zipfile
 import pytest
 
 from cake_rmsnorm.build import native as build_native
-from cake_rmsnorm.errors import BuildError
+from cake_rmsnorm.errors import BuildError, PackagingError
 from cake_rmsnorm.runtime import native
 
 torch = pytest.importorskip("torch")
@@ -95,6 +95,36 @@ def test_wheel_holds_library_and_pins_torch(tmp_path):
     exec(init, scope)
     assert scope["TORCH_VERSION"] == "2.11.0"
     assert str(scope["LIBRARY"]) == f"/site/cake_rmsnorm_native/{build_native.LIBRARY_NAME}"
+
+
+@pytest.mark.parametrize("names, glibc", [(b"GLIBC_2.2.5\0GLIBC_2.17\0", "2_28"),
+                                          (b"GLIBC_2.14\0GLIBC_2.32\0GLIBCXX_3.4.21\0", "2_32")])
+def test_the_wheel_tag_keeps_the_glibc_its_library_names(tmp_path, monkeypatch, names, glibc):
+    monkeypatch.delenv("CAKE_RMSNORM_WHEEL_PLATFORM", raising=False)
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"\x7fELF pretend\0" + names)
+    wheel = build_native.write_native_wheel(lib, "2.11.0", tmp_path / "out")
+    tag = f"manylinux_{glibc}_{build_native.os.uname().machine}"
+    assert wheel.name.endswith(f"-py3-none-{tag}.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        assert f"Tag: py3-none-{tag}" in zf.read(
+            f"{native.PACKAGE}-0.1.0+torch2.11.0.dist-info/WHEEL").decode().splitlines()
+
+
+def test_a_library_needing_a_newer_libstdcxx_is_refused(tmp_path):
+    lib = tmp_path / "lib.so"
+    lib.write_bytes(b"\x7fELF pretend\0GLIBCXX_3.4.21\0GLIBCXX_3.4.29\0")
+    with pytest.raises(PackagingError, match=r"GLIBCXX_3\.4\.29, newer than the GLIBCXX_3\.4\.25"):
+        build_native.write_native_wheel(lib, "2.11.0", tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_the_built_library_keeps_its_wheel_tag(native_library):
+    from cake_rmsnorm.build import elf
+    data = native_library.read_bytes()
+    tag = build_native.native_platform(data)
+    assert elf.glibc_needed(data) <= tuple(int(p) for p in tag.split("_")[1:3])
+    assert elf.newest_version(data, "GLIBCXX") <= build_native.MAX_GLIBCXX
 
 
 def test_bad_torch_version_and_folder_are_build_errors(tmp_path):

@@ -162,9 +162,12 @@ def cmd_matrix(args, reg: Registry) -> int:
     elif args.print_build_identifiers:
         print("\n".join(c.identifier for c in cells))
     else:
+        width = max(28, *(len(c.identifier) + 1 for c in cells))
         for c in cells:
-            print(f"{c.identifier:<28} {c.arch:<8} {c.platform.wheel_tag:<24} "
-                  f"nvcc {c.toolkit.nvcc}  runner {c.platform.runner}")
+            what, needs = ((c.arch, f"nvcc {c.toolkit.nvcc}") if c.kind == "provider"
+                           else (c.kind, f"torch {c.torch}"))
+            print(f"{c.identifier:<{width}} {what:<8} {c.platform.wheel_tag:<24} "
+                  f"{needs}  runner {c.platform.runner}")
     return 0
 
 
@@ -217,9 +220,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("matrix", help="the CI build matrix (ci/matrix.toml): cells of arch, host "
-                                      "platform and toolkit")
+                                      "platform and toolkit, and of the native eager step's torch "
+                                      "release and host platform")
     p.add_argument("--print-build-identifiers", action="store_true",
-                   help="one cell identifier a line, e.g. sm100a-manylinux_x86_64")
+                   help="one cell identifier a line, e.g. sm100a-manylinux_x86_64 or "
+                        "native-torch2.11.0-manylinux_x86_64")
     p.add_argument("--select", action="append", metavar="GLOB",
                    help="identifier globs (space or comma separated, repeatable; default: all)")
     p.add_argument("--json", action="store_true", help="the cells as a CI job matrix {include: [...]}")

@@ -1,12 +1,16 @@
-"""The CI build matrix (ci/matrix.toml): cells of (arch, host platform, CUDA toolkit), with selectors.
+"""The CI build matrix (ci/matrix.toml): cells of (arch, host platform, CUDA toolkit) and the
+optional native eager step's cells of (torch release, host platform), with selectors.
 
-The archs are the registry's, never listed in the matrix: the cells are every registry arch on every
-host platform of the matrix, built with its one toolkit. Identifiers follow cibuildwheel's style,
-`<arch tag>-<platform id>` (sm100a-manylinux_x86_64), and `select()` takes globs on them.
+The archs are the registry's, never listed in the matrix: the provider cells are every registry arch
+on every host platform of the matrix, built with its one toolkit; the native cells are every torch
+release of its [native] table on every host platform. Identifiers follow cibuildwheel's style,
+`<arch tag>-<platform id>` (sm100a-manylinux_x86_64) and `native-torch<release>-<platform id>`
+(native-torch2.11.0-manylinux_x86_64), and `select()` takes globs on them.
 
     matrix = load_matrix()                        # ci/matrix.toml of this checkout
     matrix.select("sm10*-*_x86_64")               # the cells, in matrix order
     matrix.cell("sm100a-manylinux_aarch64").platform.wheel_tag
+    matrix.cell("native-torch2.11.0-manylinux_x86_64").torch
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import ClassVar, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import CakeError
 from .registry import Registry, load_registry
@@ -75,6 +79,11 @@ class HostPlatform:
         tags = [f"manylinux_{major}_{m}_{self.machine}" for m in range(minor, 16, -1)]
         return tuple(tags + [f"manylinux2014_{self.machine}"])
 
+    def job_fields(self) -> dict:
+        """A CI job entry's platform fields, for a cell of either kind: where it runs, its tag."""
+        return {"platform": self.id, "machine": self.machine, "wheel_tag": self.wheel_tag,
+                "runner": self.runner}
+
     def builds_on(self, host_machine: str) -> str:
         """'native', 'cross' or '' (this host cannot build the platform's cells)."""
         if host_machine == self.machine:
@@ -83,11 +92,20 @@ class HostPlatform:
 
 
 @dataclass(frozen=True)
+class Native:
+    """The optional native eager step's wheel (build/native.py): the torch releases it is built for.
+    The wheel requires exactly its torch, so there is one per release (and host platform)."""
+    torch: Tuple[str, ...]  # "2.11.0", ...
+
+
+@dataclass(frozen=True)
 class Cell:
+    """A provider cell: the shim and one arch's provider wheel for one host platform."""
     arch: str  # "sm_100a"
     arch_tag: str  # "sm100a"
     platform: HostPlatform
     toolkit: Toolkit
+    kind: ClassVar[str] = "provider"
 
     @property
     def identifier(self) -> str:
@@ -95,9 +113,8 @@ class Cell:
 
     def to_dict(self) -> dict:
         """One entry of the CI job matrix (and what ci/run-cell.sh reads)."""
-        return {"identifier": self.identifier, "arch": self.arch, "arch_tag": self.arch_tag,
-                "platform": self.platform.id, "machine": self.platform.machine,
-                "wheel_tag": self.platform.wheel_tag, "runner": self.platform.runner,
+        return {"identifier": self.identifier, "kind": self.kind, "arch": self.arch,
+                "arch_tag": self.arch_tag, **self.platform.job_fields(),
                 "cross_from": list(self.platform.cross_from),
                 "cross_compiler": self.platform.cross_compiler or "",
                 "toolkit": self.toolkit.id, "nvcc": self.toolkit.nvcc,
@@ -106,25 +123,50 @@ class Cell:
 
 
 @dataclass(frozen=True)
+class NativeCell:
+    """A native cell: the cake-rmsnorm-native wheel for one torch release and host platform. It
+    needs no CUDA toolkit, and builds only on the platform's own machine (build/native.py downloads
+    the host machine's torch wheel and compiles with the host's g++)."""
+    torch: str  # "2.11.0"
+    platform: HostPlatform
+    kind: ClassVar[str] = "native"
+
+    @property
+    def identifier(self) -> str:
+        return f"native-torch{self.torch}-{self.platform.id}"
+
+    def to_dict(self) -> dict:
+        """One entry of the CI job matrix (and what ci/run-cell.sh reads)."""
+        return {"identifier": self.identifier, "kind": self.kind, "torch": self.torch,
+                **self.platform.job_fields()}
+
+
+AnyCell = Union[Cell, NativeCell]
+
+
+@dataclass(frozen=True)
 class Matrix:
     source: str
     toolkit: Toolkit
+    native: Native
     platforms: Tuple[HostPlatform, ...]
     skip: Tuple[str, ...]
-    cells: Tuple[Cell, ...]  # arch-major, in registry then platform order, skips removed
+    # provider cells arch-major (registry then platform order), then native cells torch-major;
+    # skips removed
+    cells: Tuple[AnyCell, ...]
 
     @property
     def identifiers(self) -> Tuple[str, ...]:
         return tuple(c.identifier for c in self.cells)
 
-    def cell(self, identifier: str) -> Cell:
+    def cell(self, identifier: str) -> AnyCell:
         for cell in self.cells:
             if cell.identifier == identifier:
                 return cell
         raise MatrixError(f"no cell {identifier!r} in {self.source}; cells: "
                           f"{', '.join(self.identifiers)}")
 
-    def select(self, patterns: Union[str, Sequence[str], None] = None) -> Tuple[Cell, ...]:
+    def select(self, patterns: Union[str, Sequence[str], None] = None) -> Tuple[AnyCell, ...]:
         """The cells any glob matches (globs: separated by spaces or commas; None: all cells).
         A glob that matches no cell is an error, so a typo never silently selects nothing."""
         globs = split_globs(patterns)
@@ -189,6 +231,21 @@ def _toolkit(doc: Mapping, where: str) -> Toolkit:
                    verify_tools=_strings(table, "verify_tools", at, PIN_RE, pins))
 
 
+def _native(doc: Mapping, where: str) -> Native:
+    table = doc.get("native", {"torch": []})  # optional: no table, no native cells
+    if not isinstance(table, dict):
+        raise MatrixError(f"{where}: native = {table!r}: expected a [native] table")
+    at = f"{where} [native]"
+    _fields(table, at, ("torch",))
+    releases = _strings(table, "torch", at, VERSION_RE, "a list of torch releases like 2.11.0")
+    dupes = sorted({r for r in releases if releases.count(r) > 1})
+    if dupes:
+        raise MatrixError(f"{at}: torch = {list(releases)!r}: release(s) {', '.join(dupes)} appear "
+                          f"more than once; expected each release once (one wheel per release and "
+                          f"host platform)")
+    return Native(releases)
+
+
 def _platform(table: object, index: int, where: str) -> HostPlatform:
     at = f"{where} [[platform]] #{index + 1}"
     if not isinstance(table, dict):
@@ -220,11 +277,13 @@ def _platform(table: object, index: int, where: str) -> HostPlatform:
 
 
 def parse_matrix(doc: Mapping, reg: Registry, source: str = "matrix") -> Matrix:
-    """A Matrix from the parsed TOML document, its cells crossed with the registry's archs."""
-    _fields(doc, source, ("schema", "toolkit", "platform"), ("skip",))
+    """A Matrix from the parsed TOML document: its platforms crossed with the registry's archs, then
+    with its native torch releases."""
+    _fields(doc, source, ("schema", "toolkit", "platform"), ("skip", "native"))
     if doc["schema"] != SCHEMA:
         raise MatrixError(f"{source}: schema = {doc['schema']!r}; this cake-rmsnorm reads {SCHEMA}")
     toolkit = _toolkit(doc, source)
+    native = _native(doc, source)
     tables = doc["platform"]
     if not isinstance(tables, list) or not tables:
         raise MatrixError(f"{source}: needs at least one [[platform]] table, got {tables!r}")
@@ -239,7 +298,8 @@ def parse_matrix(doc: Mapping, reg: Registry, source: str = "matrix") -> Matrix:
                           f"wheels would have one file name")
     skip = _strings(doc, "skip", source, what="a list of identifier globs")
     cells = tuple(Cell(arch.name, arch.tag, platform, toolkit)
-                  for arch in reg.archs for platform in platforms)
+                  for arch in reg.archs for platform in platforms) + \
+        tuple(NativeCell(torch, platform) for torch in native.torch for platform in platforms)
     for glob in skip:
         if not any(fnmatch.fnmatchcase(c.identifier, glob) for c in cells):
             raise MatrixError(f"{source}: skip {glob!r} matches no cell; cells: "
@@ -247,7 +307,7 @@ def parse_matrix(doc: Mapping, reg: Registry, source: str = "matrix") -> Matrix:
     kept = tuple(c for c in cells if not any(fnmatch.fnmatchcase(c.identifier, g) for g in skip))
     if not kept:
         raise MatrixError(f"{source}: skip {list(skip)!r} removes every cell")
-    return Matrix(source, toolkit, platforms, skip, kept)
+    return Matrix(source, toolkit, native, platforms, skip, kept)
 
 
 def load_matrix(path: Union[str, Path, None] = None, reg: Optional[Registry] = None) -> Matrix:

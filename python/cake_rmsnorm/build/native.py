@@ -6,7 +6,10 @@ the running torch has already loaded (found by soname). The torch comes from eit
   - a torch wheel of a given version, downloaded without its dependencies and unpacked under
     build/native/ (`fetch_torch`): the build for a GPU machine whose torch is not this one's.
 The wheel, `cake-rmsnorm-native` at version <ours>+torch<T>, requires torch==T; runtime/native.py
-loads it only under that torch. It needs a C++20 compiler ($CXX, else g++ or c++).
+loads it only under that torch. It needs a C++17 compiler ($CXX, else g++ or c++). The wheel's
+manylinux tag is the build platform's raised to the glibc the library names (`native_platform`):
+a current g++'s libstdc++ headers name GLIBC_2.32 (`__libc_single_threaded`), so a build on such a
+machine is manylinux_2_32, not the providers' manylinux_2_28.
 
     python -m cake_rmsnorm.build.native --torch 2.11.0 --out dist   # or --torch installed
 """
@@ -26,6 +29,7 @@ from typing import Optional, Sequence
 
 from ..errors import BuildError, PackagingError
 from ..runtime.native import PACKAGE, public_version
+from .elf import glibc_needed, newest_version
 from .layout import default_source_root
 from .wheel import Files, _project, _wheel_file, _write_wheel, wheel_platform
 
@@ -33,6 +37,8 @@ DISTRIBUTION = "cake-rmsnorm-native"
 LIBRARY_NAME = "libcake_rmsnorm_native.so"
 SOURCE = Path("csrc/native/eager_step.cpp")
 # what the compile and link take from a torch wheel
+# the newest libstdc++ symbol version a manylinux_2_28 wheel may name (GCC 8's)
+MAX_GLIBCXX = (3, 4, 25)
 _TORCH_MEMBERS = re.compile(r"torch/(include/.*|lib/libc10\.so|lib/libtorch_cpu\.so|version\.py)")
 
 
@@ -87,7 +93,7 @@ def find_cxx() -> str:
     for name in (os.environ.get("CXX"), "g++", "c++"):
         if name and shutil.which(name):
             return name
-    raise BuildError("the native step needs a C++20 compiler: set $CXX or install g++")
+    raise BuildError("the native step needs a C++17 compiler: set $CXX or install g++")
 
 
 def compile_native(torch_root: Path, out: Path, source_root: Optional[Path] = None) -> Path:
@@ -97,7 +103,7 @@ def compile_native(torch_root: Path, out: Path, source_root: Optional[Path] = No
     out.parent.mkdir(parents=True, exist_ok=True)
     include = torch_root / "include"
     tmp = out.with_name(f".{out.name}.tmp")
-    cmd = [find_cxx(), "-O2", "-std=c++20", "-fPIC", "-shared", "-D_GLIBCXX_USE_CXX11_ABI=1",
+    cmd = [find_cxx(), "-O2", "-std=c++17", "-fPIC", "-shared", "-D_GLIBCXX_USE_CXX11_ABI=1",
            f"-I{source_root / 'csrc/include'}", f"-I{include}",
            f"-I{include / 'torch/csrc/api/include'}", str(source_root / SOURCE),
            f"-L{torch_root / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(tmp)]
@@ -119,6 +125,23 @@ def _package_init(version: str, torch_ver: str) -> bytes:
             f'LIBRARY = Path(__file__).with_name("{LIBRARY_NAME}")\n').encode()
 
 
+def native_platform(library: bytes) -> str:
+    """The wheel tag a native library keeps: the build platform's (wheel_platform(), manylinux_2_28)
+    with its glibc raised to what the library names. Its libstdc++ must stay within the base's
+    (the manylinux policies pin it to the distribution's: GCC 8's GLIBCXX_3.4.25 for 2_28); C++17
+    keeps it there (C++20's ref-qualified ostringstream::str() needs GLIBCXX_3.4.29)."""
+    base = wheel_platform()
+    major, minor, machine = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", base).groups()
+    libstdcxx = newest_version(library, "GLIBCXX")
+    if libstdcxx > MAX_GLIBCXX:
+        raise PackagingError(
+            f"the native library needs GLIBCXX_{'.'.join(map(str, libstdcxx))}, newer than the "
+            f"GLIBCXX_{'.'.join(map(str, MAX_GLIBCXX))} of manylinux_2_28's libstdc++: build it "
+            f"with an older g++ (or without the C++ feature that needs it)")
+    glibc = max((int(major), int(minor)), glibc_needed(library))
+    return f"manylinux_{glibc[0]}_{glibc[1]}_{machine}"
+
+
 def write_native_wheel(library: Path, torch_ver: str, out_dir: Path,
                        source_root: Optional[Path] = None) -> Path:
     """The cake-rmsnorm-native wheel around a compiled library, for torch `torch_ver`."""
@@ -129,6 +152,7 @@ def write_native_wheel(library: Path, torch_ver: str, out_dir: Path,
     except OSError as exc:
         raise PackagingError(f"native library {library}: {exc}") from exc
     dist_info = f"{PACKAGE}-{version}.dist-info"
+    platform_tag = native_platform(data)
     metadata = [
         "Metadata-Version: 2.1", f"Name: {DISTRIBUTION}", f"Version: {version}",
         f"Summary: {project.get('name', 'cake-rmsnorm')}'s eager step as one C++ autograd node, "
@@ -138,10 +162,10 @@ def write_native_wheel(library: Path, torch_ver: str, out_dir: Path,
         f"{PACKAGE}/__init__.py": (_package_init(version, torch_ver), 0o644),
         f"{PACKAGE}/{LIBRARY_NAME}": (data, 0o755),
         f"{dist_info}/METADATA": (("\n".join(metadata) + "\n").encode(), 0o644),
-        f"{dist_info}/WHEEL": (_wheel_file(False, f"py3-none-{wheel_platform()}"), 0o644),
+        f"{dist_info}/WHEEL": (_wheel_file(False, f"py3-none-{platform_tag}"), 0o644),
         f"{dist_info}/top_level.txt": (f"{PACKAGE}\n".encode(), 0o644),
     }
-    name = f"{PACKAGE}-{version}-py3-none-{wheel_platform()}.whl"
+    name = f"{PACKAGE}-{version}-py3-none-{platform_tag}.whl"
     return _write_wheel(Path(out_dir), name, dist_info, files)
 
 
