@@ -76,7 +76,7 @@ if [ "$cell_kind" = native ]; then
     echo "run-cell: $id needs a $cell_machine host (CI runner $cell_runner); this is $host" >&2
     exit 1
   fi
-  say "native eager step for torch $cell_torch -> $out ($cell_wheel_tag)"
+  say "native eager step for torch $cell_torch -> $out (tag: $cell_wheel_tag, its glibc raised to what the library needs)"
   mkdir -p "$out"
   rm -f "$out"/*.whl
   CAKE_RMSNORM_WHEEL_PLATFORM=$cell_wheel_tag \

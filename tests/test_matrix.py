@@ -483,6 +483,15 @@ def test_check_takes_a_native_cell_alone(cells, capsys):
     assert "needs GLIBC_2.34" in capsys.readouterr().err
 
 
+def test_the_built_native_library_makes_a_wheel_check_accepts(native_library, tmp_path):
+    """The library built against the installed torch: its wheel's tag covers the glibc it names
+    (wheelhouse's own reading of tag and library), and its libstdc++ stays within manylinux_2_28's."""
+    from cake_rmsnorm.build import elf, native as build_native
+    wheel = build_native.write_native_wheel(native_library, "2.11.0", tmp_path)
+    assert [e.kind for e in wh.check([wheel])] == ["native"]
+    assert elf.newest_version(native_library.read_bytes(), "GLIBCXX") <= build_native.MAX_GLIBCXX
+
+
 def test_deps_skip_native_cells(tmp_path, monkeypatch):
     """Native cells ship no dependency (their torch is the user's): nothing to download."""
     def no_pip(*args, **kwargs):

@@ -3,6 +3,7 @@ and the wheel build/native.py writes. (The op through it: test_runtime_cpu.py's 
 'native'.)"""
 
 import ctypes
+import platform
 import shutil
 import subprocess
 import sys
@@ -104,7 +105,7 @@ def test_the_wheel_tag_keeps_the_glibc_its_library_names(tmp_path, monkeypatch, 
     lib = tmp_path / "lib.so"
     lib.write_bytes(b"\x7fELF pretend\0" + names)
     wheel = build_native.write_native_wheel(lib, "2.11.0", tmp_path / "out")
-    tag = f"manylinux_{glibc}_{build_native.os.uname().machine}"
+    tag = f"manylinux_{glibc}_{platform.machine()}"
     assert wheel.name.endswith(f"-py3-none-{tag}.whl")
     with zipfile.ZipFile(wheel) as zf:
         assert f"Tag: py3-none-{tag}" in zf.read(
@@ -117,14 +118,6 @@ def test_a_library_needing_a_newer_libstdcxx_is_refused(tmp_path):
     with pytest.raises(PackagingError, match=r"GLIBCXX_3\.4\.29, newer than the GLIBCXX_3\.4\.25"):
         build_native.write_native_wheel(lib, "2.11.0", tmp_path / "out")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
-
-
-def test_the_built_library_keeps_its_wheel_tag(native_library):
-    from cake_rmsnorm.build import elf
-    data = native_library.read_bytes()
-    tag = build_native.native_platform(data)
-    assert elf.glibc_needed(data) <= tuple(int(p) for p in tag.split("_")[1:3])
-    assert elf.newest_version(data, "GLIBCXX") <= build_native.MAX_GLIBCXX
 
 
 def test_bad_torch_version_and_folder_are_build_errors(tmp_path):

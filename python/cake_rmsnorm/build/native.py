@@ -31,14 +31,14 @@ from ..errors import BuildError, PackagingError
 from ..runtime.native import PACKAGE, public_version
 from .elf import glibc_needed, newest_version
 from .layout import default_source_root
-from .wheel import Files, _project, _wheel_file, _write_wheel, wheel_platform
+from .wheel import MANYLINUX, Files, _project, _wheel_file, _write_wheel, wheel_platform
 
 DISTRIBUTION = "cake-rmsnorm-native"
 LIBRARY_NAME = "libcake_rmsnorm_native.so"
 SOURCE = Path("csrc/native/eager_step.cpp")
-# what the compile and link take from a torch wheel
 # the newest libstdc++ symbol version a manylinux_2_28 wheel may name (GCC 8's)
 MAX_GLIBCXX = (3, 4, 25)
+# what the compile and link take from a torch wheel
 _TORCH_MEMBERS = re.compile(r"torch/(include/.*|lib/libc10\.so|lib/libtorch_cpu\.so|version\.py)")
 
 
@@ -130,8 +130,7 @@ def native_platform(library: bytes) -> str:
     with its glibc raised to what the library names. Its libstdc++ must stay within the base's
     (the manylinux policies pin it to the distribution's: GCC 8's GLIBCXX_3.4.25 for 2_28); C++17
     keeps it there (C++20's ref-qualified ostringstream::str() needs GLIBCXX_3.4.29)."""
-    base = wheel_platform()
-    major, minor, machine = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", base).groups()
+    major, minor, machine = MANYLINUX.fullmatch(wheel_platform()).groups()
     libstdcxx = newest_version(library, "GLIBCXX")
     if libstdcxx > MAX_GLIBCXX:
         raise PackagingError(

@@ -33,6 +33,8 @@ from .toolchain import find_ninja
 EPOCH_MIN = 315532800  # 1980-01-01: the earliest time a zip can hold
 PROVIDER_REQUIRES = ("nvidia-cuda-runtime>=13.0,<14",)
 PLATFORM = f"manylinux_2_28_{platform.machine()}"
+# a provider or native wheel's tag: glibc major, minor, machine
+MANYLINUX = re.compile(r"manylinux_(\d+)_(\d+)_(x86_64|aarch64)")
 PLATFORM_ENV = "CAKE_RMSNORM_WHEEL_PLATFORM"  # a cross build's tag, e.g. manylinux_2_28_aarch64
 Files = Dict[str, Tuple[bytes, int]]  # archive path -> (content, mode)
 
@@ -40,7 +42,7 @@ Files = Dict[str, Tuple[bytes, int]]  # archive path -> (content, mode)
 def wheel_platform() -> str:
     """The provider wheels' platform tag: this machine's, or $CAKE_RMSNORM_WHEEL_PLATFORM."""
     tag = os.environ.get(PLATFORM_ENV) or PLATFORM
-    if not re.fullmatch(r"manylinux_\d+_\d+_(x86_64|aarch64)", tag):
+    if not MANYLINUX.fullmatch(tag):
         raise PackagingError(f"${PLATFORM_ENV} = {tag!r}: expected manylinux_<glibc major>_<minor>"
                              f"_x86_64 or _aarch64, e.g. manylinux_2_28_aarch64")
     return tag
