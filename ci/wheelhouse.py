@@ -13,9 +13,9 @@ one per torch release: version <ours>+torch<T>, requiring torch==T) and the depe
 `assemble` checks before it writes: one version across our wheels (a native wheel's +torch<T>
 aside), one provider per (arch, host platform) and one native wheel per (torch, host platform), a
 file name seen twice must be the same bytes (every cell writes the same shim), every provider and
-native library's ELF machine is its wheel's and needs no newer glibc than the manylinux tag, and
-the sizes hold (provider <= 25 MB, native <= 1 MB, shim <= 300 kB). The folder is written aside and
-swapped in whole; SHA256SUMS (sha256sum -c format) covers every wheel, and nothing in it depends on
+native library's ELF machine is its wheel's and needs no newer glibc than the manylinux tag (nor a
+newer libstdc++ than manylinux_2_28's), and the sizes hold (provider <= 25 MB, native <= 1 MB, shim <= 300 kB). The folder is
+written aside and swapped in whole; SHA256SUMS (sha256sum -c format) covers every wheel, and nothing in it depends on
 the time or the order of the inputs, so two runs from one commit give the same bytes.
 """
 
@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from cake_rmsnorm.build.elf import elf_machine, glibc_needed
-from cake_rmsnorm.build.native import LIBRARY_NAME as NATIVE_LIBRARY
+from cake_rmsnorm.build.native import LIBRARY_NAME as NATIVE_LIBRARY, libstdcxx_problem
+from cake_rmsnorm.build.wheel import MANYLINUX
 from cake_rmsnorm.errors import CakeError
 from cake_rmsnorm.manifest import MANIFEST_NAME, Manifest, ManifestError
 from cake_rmsnorm.runtime.native import PACKAGE as NATIVE_DIST
@@ -48,7 +49,6 @@ SHIM_MAX_BYTES = 300_000
 OWN_FILES = ("SHA256SUMS", "index.json", "index.md")
 WHEEL_NAME = re.compile(r"(?P<dist>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<py>[^-]+)-(?P<abi>[^-]+)"
                         r"-(?P<plat>[^-]+)\.whl")
-GLIBC_TAG = re.compile(r"manylinux_(\d+)_(\d+)_(\w+)")
 NATIVE_VERSION = re.compile(r"(?P<ours>[^+]+)\+torch(?P<torch>\d+\.\d+\.\d+)")
 KIND_ORDER = {"shim": 0, "provider": 1, "native": 2, "dependency": 3}
 
@@ -90,16 +90,20 @@ def _machine_of(platform_tag: str) -> str:
 def _library_problems(name: str, member: str, data: bytes, machine: str,
                       platform_tag: str) -> List[str]:
     """A shared library runs where its wheel installs: its ELF machine is the wheel's, and it needs
-    no newer glibc than the wheel's manylinux tag promises."""
+    no newer glibc than the wheel's manylinux tag promises, nor a newer libstdc++ than the
+    manylinux_2_28 policy's that every wheel of ours is built to."""
     problems = []
     got = elf_machine(data)
     if got != machine:
         problems.append(f"{name}:{member}: ELF machine {got}, the wheel is tagged {platform_tag}")
-    glibc = GLIBC_TAG.fullmatch(platform_tag)
+    glibc = MANYLINUX.fullmatch(platform_tag)
     needs = glibc_needed(data)
     if glibc and needs > (int(glibc.group(1)), int(glibc.group(2))):
         problems.append(f"{name}:{member}: needs GLIBC_{needs[0]}.{needs[1]}, newer than its "
                         f"tag {platform_tag} allows")
+    libstdcxx = libstdcxx_problem(data)
+    if libstdcxx:
+        problems.append(f"{name}:{member}: {libstdcxx}")
     return problems
 
 

@@ -283,10 +283,11 @@ def test_wheel_platform_default_and_override(monkeypatch):
 EM = {"x86_64": 62, "aarch64": 183}
 
 
-def fake_library(machine: str, glibc: str = "2.17") -> bytes:
+def fake_library(machine: str, glibc: str = "2.17", glibcxx: str = "3.4.21") -> bytes:
     header = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8) + (3).to_bytes(2, "little")
     header += EM[machine].to_bytes(2, "little")
-    return header + bytes(44) + f"\0libc.so.6\0GLIBC_{glibc}\0GLIBC_2.2\0".encode() + bytes(64)
+    names = f"\0libc.so.6\0GLIBC_{glibc}\0GLIBC_2.2\0libstdc++.so.6\0GLIBCXX_{glibcxx}\0"
+    return header + bytes(44) + names.encode() + bytes(64)
 
 
 def fake_wheel(folder: Path, dist: str, version: str, plat: str, files: dict) -> Path:
@@ -324,14 +325,15 @@ def fake_provider(folder: Path, arch: str, machine: str, n_libs: int = 3, versio
 
 
 def fake_native(folder: Path, torch: str = "2.11.0", machine: str = "x86_64", version: str = "1.2.3",
-                glibc: str = "2.17", plat: str = None, requires: str = None) -> Path:
+                glibc: str = "2.17", plat: str = None, requires: str = None,
+                glibcxx: str = "3.4.21") -> Path:
     """A cake-rmsnorm-native wheel as build/native.py writes it: <ours>+torch<T>, one library."""
     full = f"{version}+torch{torch}"
     metadata = (f"Name: cake-rmsnorm-native\nVersion: {full}\n"
                 f"Requires-Dist: {requires or f'torch=={torch}'}\n")
     return fake_wheel(folder, wh.NATIVE_DIST, full, plat or f"manylinux_2_28_{machine}", {
         f"{wh.NATIVE_DIST}/__init__.py": f"TORCH_VERSION = '{torch}'\n".encode(),
-        f"{wh.NATIVE_DIST}/{wh.NATIVE_LIBRARY}": fake_library(machine, glibc),
+        f"{wh.NATIVE_DIST}/{wh.NATIVE_LIBRARY}": fake_library(machine, glibc, glibcxx),
         f"{wh.NATIVE_DIST}-{full}.dist-info/METADATA": metadata.encode()})
 
 
@@ -442,6 +444,9 @@ def test_wheelhouse_refuses_a_foreign_folder(cells):
      r"libcake_rmsnorm_native\.so: ELF machine aarch64, the wheel is tagged manylinux_2_28_x86_64"),
     (lambda d: fake_native(d, glibc="2.32"),
      r"libcake_rmsnorm_native\.so: needs GLIBC_2\.32, newer than its tag manylinux_2_28_x86_64"),
+    (lambda d: fake_native(d, glibcxx="3.4.29"),
+     r"libcake_rmsnorm_native\.so: needs GLIBCXX_3\.4\.29, newer than the GLIBCXX_3\.4\.25 of "
+     r"manylinux_2_28's libstdc\+\+"),
     (lambda d: fake_native(d, requires="torch>=2.11"),
      r"does not say Requires-Dist: torch==2\.11\.0, which its version \+torch2\.11\.0 promises"),
     (lambda d: fake_wheel(d, wh.NATIVE_DIST, "1.2.3", "manylinux_2_28_x86_64", {}),

@@ -125,18 +125,27 @@ def _package_init(version: str, torch_ver: str) -> bytes:
             f'LIBRARY = Path(__file__).with_name("{LIBRARY_NAME}")\n').encode()
 
 
+def libstdcxx_problem(library: bytes) -> Optional[str]:
+    """Why a shared library breaks a wheel's manylinux promise of libstdc++, or None. Every wheel
+    of ours is built from manylinux_2_28 (a provider keeps its tag; the native wheel only raises its
+    glibc), whose policy pins libstdc++ to GCC 8's: GLIBCXX_3.4.25 at most."""
+    needs = newest_version(library, "GLIBCXX")
+    if needs <= MAX_GLIBCXX:
+        return None
+    return (f"needs GLIBCXX_{'.'.join(map(str, needs))}, newer than the "
+            f"GLIBCXX_{'.'.join(map(str, MAX_GLIBCXX))} of manylinux_2_28's libstdc++")
+
+
 def native_platform(library: bytes) -> str:
     """The wheel tag a native library keeps: the build platform's (wheel_platform(), manylinux_2_28)
     with its glibc raised to what the library names. Its libstdc++ must stay within the base's
-    (the manylinux policies pin it to the distribution's: GCC 8's GLIBCXX_3.4.25 for 2_28); C++17
-    keeps it there (C++20's ref-qualified ostringstream::str() needs GLIBCXX_3.4.29)."""
+    (libstdcxx_problem); C++17 keeps it there (C++20's ref-qualified ostringstream::str() needs
+    GLIBCXX_3.4.29)."""
     major, minor, machine = MANYLINUX.fullmatch(wheel_platform()).groups()
-    libstdcxx = newest_version(library, "GLIBCXX")
-    if libstdcxx > MAX_GLIBCXX:
-        raise PackagingError(
-            f"the native library needs GLIBCXX_{'.'.join(map(str, libstdcxx))}, newer than the "
-            f"GLIBCXX_{'.'.join(map(str, MAX_GLIBCXX))} of manylinux_2_28's libstdc++: build it "
-            f"with an older g++ (or without the C++ feature that needs it)")
+    problem = libstdcxx_problem(library)
+    if problem:
+        raise PackagingError(f"the native library {problem}: build it with an older g++ (or "
+                             f"without the C++ feature that needs it)")
     glibc = max((int(major), int(minor)), glibc_needed(library))
     return f"manylinux_{glibc[0]}_{glibc[1]}_{machine}"
 
