@@ -10,8 +10,9 @@
 #              the FP64 reference, det's bits, and the bits across program forms: $OUT/check.{log,json}
 #   tune DIR   benchmarks/tune_routes.py over DIR (ci/program_libs.py's folder), keeping the
 #              committed table's other windows: $OUT/tuned/{sm_90a.toml,tune.json}
-#   ab OLD NEW benchmarks/ab_forward.py (its default H): two builds of the same forward
-#              programs, bits and times beside torch.compile's: $OUT/ab.{log,json}
+#   ab OLD NEW benchmarks/ab_forward.py (its default H; its default T, or $AB_TOKENS, e.g.
+#              128,1024,4096): two builds of the same forward programs, bits and times beside
+#              torch.compile's: $OUT/ab.{log,json}
 #   tests      pytest -m gpu tests/gpu: $OUT/pytest.txt
 #   bench      the full benchmark, then benchmarks/acceptance.py over it: $OUT/bench.{json,md},
 #              $OUT/plots.tgz, $OUT/acceptance.txt
@@ -58,7 +59,7 @@ while [ $# -gt 0 ]; do
             shift 2 ;;
         ab)
             stage ab "${AB_S:-180}" "$OUT/ab.log" python3 benchmarks/ab_forward.py "$2" "$3" \
-                --json "$OUT/ab.json"
+                ${AB_TOKENS:+--tokens "$AB_TOKENS"} --json "$OUT/ab.json"
             shift 3 ;;
         tests)
             stage tests "${TESTS_S:-240}" "$OUT/pytest.txt" \
