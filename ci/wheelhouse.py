@@ -14,9 +14,10 @@ one per torch release: version <ours>+torch<T>, requiring torch==T) and the depe
 aside), one provider per (arch, host platform) and one native wheel per (torch, host platform), a
 file name seen twice must be the same bytes (every cell writes the same shim), every provider and
 native library's ELF machine is its wheel's and needs no newer glibc than the manylinux tag (nor a
-newer libstdc++ than manylinux_2_28's), and the sizes hold (provider <= 25 MB, native <= 1 MB, shim <= 300 kB). The folder is
-written aside and swapped in whole; SHA256SUMS (sha256sum -c format) covers every wheel, and nothing in it depends on
-the time or the order of the inputs, so two runs from one commit give the same bytes.
+newer libstdc++ than manylinux_2_28's), and the sizes hold (provider <= 25 MB, native <= 1 MB,
+shim <= 300 kB). The folder is written aside and swapped in whole; SHA256SUMS (sha256sum -c
+format) covers every wheel, and nothing in it depends on the time or the order of the inputs, so
+two runs from one commit give the same bytes.
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from cake_rmsnorm.build.elf import elf_machine, glibc_needed
-from cake_rmsnorm.build.native import LIBRARY_NAME as NATIVE_LIBRARY, libstdcxx_problem
-from cake_rmsnorm.build.wheel import MANYLINUX
+from cake_rmsnorm.build.elf import MANYLINUX, elf_machine, glibc_needed, libstdcxx_problem
+from cake_rmsnorm.build.native import LIBRARY_NAME as NATIVE_LIBRARY
 from cake_rmsnorm.errors import CakeError
 from cake_rmsnorm.manifest import MANIFEST_NAME, Manifest, ManifestError
 from cake_rmsnorm.runtime.native import PACKAGE as NATIVE_DIST

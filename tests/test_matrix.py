@@ -494,7 +494,7 @@ def test_the_built_native_library_makes_a_wheel_check_accepts(native_library, tm
     from cake_rmsnorm.build import elf, native as build_native
     wheel = build_native.write_native_wheel(native_library, "2.11.0", tmp_path)
     assert [e.kind for e in wh.check([wheel])] == ["native"]
-    assert elf.newest_version(native_library.read_bytes(), "GLIBCXX") <= build_native.MAX_GLIBCXX
+    assert elf.newest_version(native_library.read_bytes(), "GLIBCXX") <= elf.MAX_GLIBCXX
 
 
 def test_deps_skip_native_cells(tmp_path, monkeypatch):

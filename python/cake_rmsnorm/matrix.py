@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
+from .build.elf import MANYLINUX
 from .errors import CakeError
 from .registry import Registry, load_registry
 
@@ -30,7 +31,6 @@ SCHEMA = 1
 MATRIX_ENV = "CAKE_RMSNORM_MATRIX"
 MACHINES = ("x86_64", "aarch64")
 ID_RE = re.compile(r"[a-z0-9_]+")
-WHEEL_TAG_RE = re.compile(r"manylinux_(\d+)_(\d+)_([a-z0-9_]+)")
 VERSION_RE = re.compile(r"\d+\.\d+\.\d+")
 PIN_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)")
 GLOB_CHARS = "*?["
@@ -67,7 +67,7 @@ class HostPlatform:
 
     @property
     def glibc(self) -> Tuple[int, int]:
-        match = WHEEL_TAG_RE.fullmatch(self.wheel_tag)
+        match = MANYLINUX.fullmatch(self.wheel_tag)
         assert match, self.wheel_tag  # checked at load
         return int(match.group(1)), int(match.group(2))
 
@@ -257,7 +257,7 @@ def _platform(table: object, index: int, where: str) -> HostPlatform:
     machine = table["machine"]
     if machine not in MACHINES:
         raise MatrixError(f"{at}: machine = {machine!r}: expected one of {', '.join(MACHINES)}")
-    tag = _string(table, "wheel_tag", at, WHEEL_TAG_RE, "a tag like manylinux_2_28_<machine>")
+    tag = _string(table, "wheel_tag", at, MANYLINUX, "a tag like manylinux_2_28_<machine>")
     if not tag.endswith(f"_{machine}"):
         raise MatrixError(f"{at}: wheel_tag = {tag!r} does not end in its machine {machine!r}")
     cross_from = _strings(table, "cross_from", at, what=f"a list of machines from "

@@ -1,14 +1,20 @@
 """What a shared library asks of the system it loads on, read from its bytes: its ELF machine and
 the newest symbol version it names of a versioned library (GLIBC_x.y, GLIBCXX_x.y.z). A wheel's
 manylinux tag promises a glibc (and, by the manylinux policies, a libstdc++); these say whether a
-library keeps that promise (ci/wheelhouse.py checks it, build/native.py tags by it)."""
+library keeps that promise (ci/wheelhouse.py checks it, build/native.py tags by it). The tag's
+pattern and the libstdc++ ceiling live here too, read by build/wheel.py, build/native.py,
+ci/wheelhouse.py and the matrix."""
 
 from __future__ import annotations
 
 import re
-from typing import Tuple
+from typing import Optional, Tuple
 
 ELF_MACHINES = {62: "x86_64", 183: "aarch64"}
+# a provider or native wheel's tag: glibc major, minor, machine
+MANYLINUX = re.compile(r"manylinux_(\d+)_(\d+)_(x86_64|aarch64)")
+# the newest libstdc++ symbol version a manylinux_2_28 wheel may name (GCC 8's)
+MAX_GLIBCXX = (3, 4, 25)
 
 
 def elf_machine(data: bytes) -> str:
@@ -29,3 +35,14 @@ def newest_version(data: bytes, library: str) -> Tuple[int, ...]:
 def glibc_needed(data: bytes) -> Tuple[int, int]:
     """The newest GLIBC_x.y a shared library needs; (0, 0) when it names none."""
     return (newest_version(data, "GLIBC") + (0, 0))[:2]
+
+
+def libstdcxx_problem(library: bytes) -> Optional[str]:
+    """Why a shared library breaks a wheel's manylinux promise of libstdc++, or None. Every wheel
+    of ours is built from manylinux_2_28 (a provider keeps its tag; the native wheel only raises its
+    glibc), whose policy pins libstdc++ to GCC 8's: GLIBCXX_3.4.25 at most."""
+    needs = newest_version(library, "GLIBCXX")
+    if needs <= MAX_GLIBCXX:
+        return None
+    return (f"needs GLIBCXX_{'.'.join(map(str, needs))}, newer than the "
+            f"GLIBCXX_{'.'.join(map(str, MAX_GLIBCXX))} of manylinux_2_28's libstdc++")

@@ -29,15 +29,13 @@ from typing import Optional, Sequence
 
 from ..errors import BuildError, PackagingError
 from ..runtime.native import PACKAGE, public_version
-from .elf import glibc_needed, newest_version
+from .elf import MANYLINUX, glibc_needed, libstdcxx_problem
 from .layout import default_source_root
-from .wheel import MANYLINUX, Files, _project, _wheel_file, _write_wheel, wheel_platform
+from .wheel import Files, _project, _wheel_file, _write_wheel, wheel_platform
 
 DISTRIBUTION = "cake-rmsnorm-native"
 LIBRARY_NAME = "libcake_rmsnorm_native.so"
 SOURCE = Path("csrc/native/eager_step.cpp")
-# the newest libstdc++ symbol version a manylinux_2_28 wheel may name (GCC 8's)
-MAX_GLIBCXX = (3, 4, 25)
 # what the compile and link take from a torch wheel
 _TORCH_MEMBERS = re.compile(r"torch/(include/.*|lib/libc10\.so|lib/libtorch_cpu\.so|version\.py)")
 
@@ -123,17 +121,6 @@ def _package_init(version: str, torch_ver: str) -> bytes:
             f'__version__ = "{version}"\n'
             f'TORCH_VERSION = "{torch_ver}"\n'
             f'LIBRARY = Path(__file__).with_name("{LIBRARY_NAME}")\n').encode()
-
-
-def libstdcxx_problem(library: bytes) -> Optional[str]:
-    """Why a shared library breaks a wheel's manylinux promise of libstdc++, or None. Every wheel
-    of ours is built from manylinux_2_28 (a provider keeps its tag; the native wheel only raises its
-    glibc), whose policy pins libstdc++ to GCC 8's: GLIBCXX_3.4.25 at most."""
-    needs = newest_version(library, "GLIBCXX")
-    if needs <= MAX_GLIBCXX:
-        return None
-    return (f"needs GLIBCXX_{'.'.join(map(str, needs))}, newer than the "
-            f"GLIBCXX_{'.'.join(map(str, MAX_GLIBCXX))} of manylinux_2_28's libstdc++")
 
 
 def native_platform(library: bytes) -> str:

@@ -26,6 +26,7 @@ from ..manifest import (LIB_DIR, MANIFEST_NAME, SCHEMA_VERSION, LibraryEntry, Ma
                         provider_distribution, provider_package, sha256_file)
 from ..registry import Arch, Registry, load_registry
 from .atomic import atomic_write
+from .elf import MANYLINUX
 from .layout import ArchTree, build_lock, default_source_root
 from .orchestrate import pending_outputs
 from .toolchain import find_ninja
@@ -33,8 +34,6 @@ from .toolchain import find_ninja
 EPOCH_MIN = 315532800  # 1980-01-01: the earliest time a zip can hold
 PROVIDER_REQUIRES = ("nvidia-cuda-runtime>=13.0,<14",)
 PLATFORM = f"manylinux_2_28_{platform.machine()}"
-# a provider or native wheel's tag: glibc major, minor, machine
-MANYLINUX = re.compile(r"manylinux_(\d+)_(\d+)_(x86_64|aarch64)")
 PLATFORM_ENV = "CAKE_RMSNORM_WHEEL_PLATFORM"  # a cross build's tag, e.g. manylinux_2_28_aarch64
 Files = Dict[str, Tuple[bytes, int]]  # archive path -> (content, mode)
 
