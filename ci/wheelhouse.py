@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from cake_rmsnorm.build.elf import MANYLINUX, elf_machine, glibc_needed, libstdcxx_problem
+from cake_rmsnorm.build.elf import MACHINES, MANYLINUX, elf_machine, glibc_needed, libstdcxx_problem
 from cake_rmsnorm.build.native import LIBRARY_NAME as NATIVE_LIBRARY
 from cake_rmsnorm.errors import CakeError
 from cake_rmsnorm.manifest import MANIFEST_NAME, Manifest, ManifestError
@@ -81,7 +81,7 @@ class WheelEntry:
 def _machine_of(platform_tag: str) -> str:
     if platform_tag == "any":
         return "any"
-    for machine in ("x86_64", "aarch64"):
+    for machine in MACHINES:
         if all(part.endswith(machine) for part in platform_tag.split(".")):
             return machine
     return "unknown"

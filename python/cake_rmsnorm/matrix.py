@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
-from .build.elf import MANYLINUX
+from .build.elf import MACHINES, MANYLINUX
 from .errors import CakeError
 from .registry import Registry, load_registry
 
 SCHEMA = 1
 MATRIX_ENV = "CAKE_RMSNORM_MATRIX"
-MACHINES = ("x86_64", "aarch64")
 ID_RE = re.compile(r"[a-z0-9_]+")
 VERSION_RE = re.compile(r"\d+\.\d+\.\d+")
 PIN_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)")

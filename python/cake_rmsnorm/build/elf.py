@@ -1,9 +1,8 @@
 """What a shared library asks of the system it loads on, read from its bytes: its ELF machine and
 the newest symbol version it names of a versioned library (GLIBC_x.y, GLIBCXX_x.y.z). A wheel's
 manylinux tag promises a glibc (and, by the manylinux policies, a libstdc++); these say whether a
-library keeps that promise (ci/wheelhouse.py checks it, build/native.py tags by it). The tag's
-pattern and the libstdc++ ceiling live here too, read by build/wheel.py, build/native.py,
-ci/wheelhouse.py and the matrix."""
+library keeps that promise (ci/wheelhouse.py checks it, build/native.py tags by it). The
+machines, the tag's pattern and the libstdc++ ceiling live here too, the one copy of each."""
 
 from __future__ import annotations
 
@@ -11,8 +10,10 @@ import re
 from typing import Optional, Tuple
 
 ELF_MACHINES = {62: "x86_64", 183: "aarch64"}
+# the machines our wheels are built for (the matrix's, the wheelhouse's)
+MACHINES = tuple(ELF_MACHINES.values())
 # a provider or native wheel's tag: glibc major, minor, machine
-MANYLINUX = re.compile(r"manylinux_(\d+)_(\d+)_(x86_64|aarch64)")
+MANYLINUX = re.compile(rf"manylinux_(\d+)_(\d+)_({'|'.join(MACHINES)})")
 # the newest libstdc++ symbol version a manylinux_2_28 wheel may name (GCC 8's)
 MAX_GLIBCXX = (3, 4, 25)
 

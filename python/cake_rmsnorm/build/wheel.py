@@ -26,7 +26,7 @@ from ..manifest import (LIB_DIR, MANIFEST_NAME, SCHEMA_VERSION, LibraryEntry, Ma
                         provider_distribution, provider_package, sha256_file)
 from ..registry import Arch, Registry, load_registry
 from .atomic import atomic_write
-from .elf import MANYLINUX
+from .elf import MACHINES, MANYLINUX
 from .layout import ArchTree, build_lock, default_source_root
 from .orchestrate import pending_outputs
 from .toolchain import find_ninja
@@ -43,7 +43,7 @@ def wheel_platform() -> str:
     tag = os.environ.get(PLATFORM_ENV) or PLATFORM
     if not MANYLINUX.fullmatch(tag):
         raise PackagingError(f"${PLATFORM_ENV} = {tag!r}: expected manylinux_<glibc major>_<minor>"
-                             f"_x86_64 or _aarch64, e.g. manylinux_2_28_aarch64")
+                             f"_<{' | '.join(MACHINES)}>, e.g. manylinux_2_28_{MACHINES[-1]}")
     return tag
 
 
