@@ -66,10 +66,16 @@ def _us(ms: float) -> str:
 
 
 def _spread(row: dict, key: str) -> str:
-    """The replays' quartiles behind the median `key` (fwd_ms: fwd_q_ms) as " (a-b)" in us, or ""
-    where the run did not record them."""
+    """The replays' quartiles behind the median `key` (fwd_ms: fwd_q_ms) as " (a-b)" in us, with
+    their interquartile mean (fwd_iqm_ms) as " (a-b, IQM c)", or "" where the run did not record
+    them. The checks use the median; the IQM shows whether a gap of one event tick (32 ns) is
+    more than the tick."""
     q = row.get(key.replace("_ms", "_q_ms"))
-    return f" ({q[0] * 1e3:.2f}-{q[1] * 1e3:.2f})" if q else ""
+    if not q:
+        return ""
+    iqm = row.get(key.replace("_ms", "_iqm_ms"))
+    mean = f", IQM {iqm * 1e3:.3f}" if iqm is not None else ""
+    return f" ({q[0] * 1e3:.2f}-{q[1] * 1e3:.2f}{mean})"
 
 
 def _vs(what: str, ours: dict, peer: dict, key: str, limit: float) -> Check:

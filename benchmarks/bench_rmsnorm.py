@@ -50,7 +50,7 @@ def measure_point(impls, hidden, tokens):
     unfit: dict = {}  # {implementation: error}: ran out of GPU memory here, left out of this point
     with torch.no_grad():
         nograd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit, captures=captures)
-    fwd_q: dict = {}  # {implementation: (first, third quartile)} of its replays
+    fwd_q: dict = {}  # {implementation: timing.Spread} of its replays
     step_q: dict = {}
     fwd_ms = graph_times_ms(fwds, reps, out_of_memory=unfit, spread=fwd_q, captures=captures)
     step_ms = graph_times_ms(steps, reps, out_of_memory=unfit, spread=step_q, captures=captures)
@@ -61,8 +61,9 @@ def measure_point(impls, hidden, tokens):
     for name in (n for n in impls if n not in unfit):
         bwd_ms = max(step_ms[name] - fwd_ms[name], 1e-6)
         rows.append({"impl": name, "H": hidden, "T": tokens, "fwd_ms": fwd_ms[name],
-                     "fwd_nograd_ms": nograd_ms[name], "fwd_q_ms": list(fwd_q[name]),
-                     "step_q_ms": list(step_q[name]),
+                     "fwd_nograd_ms": nograd_ms[name],
+                     "fwd_q_ms": [fwd_q[name].q1, fwd_q[name].q3], "fwd_iqm_ms": fwd_q[name].iqm,
+                     "step_q_ms": [step_q[name].q1, step_q[name].q3], "step_iqm_ms": step_q[name].iqm,
                      "bwd_ms": bwd_ms, "step_ms": step_ms[name], "eager_step_ms": eager_ms[name],
                      "fwd_gbs": 4 * elems / fwd_ms[name] / 1e6, "bwd_gbs": 6 * elems / bwd_ms / 1e6})
     return rows, unfit

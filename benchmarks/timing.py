@@ -15,6 +15,7 @@ import gc
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Dict, Hashable, Optional, Tuple
 
 import torch
@@ -126,13 +127,38 @@ def quartiles(samples) -> Tuple[float, float]:
     return q1, q3
 
 
+def interquartile_mean(samples) -> float:
+    """The mean of the middle half of `samples` (sorted, a quarter cut from each end; all of them
+    where fewer than 4). Why beside the median: CUDA events tick in 32 ns steps on the H100 and
+    H200 (H200 bench of 2026-12-06, T <= 4096: all 105 forward medians and 420 quartiles fall on
+    a tick or a half or quarter of one between two, as the median and quartiles interpolate), so
+    a median moves by half ticks, and at T 128 one tick is 0.8% of a forward; the mean of the
+    middle half resolves less than a tick and still drops the outlying replays."""
+    ordered = sorted(samples)
+    cut = len(ordered) // 4
+    middle = ordered[cut:len(ordered) - cut]
+    return statistics.fmean(middle)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """How a median's replays scatter: first and third quartiles and the interquartile mean."""
+    q1: float
+    q3: float
+    iqm: float
+
+    @classmethod
+    def of(cls, samples) -> "Spread":
+        return cls(*quartiles(samples), interquartile_mean(samples))
+
+
 def graph_times_ms(fns: Dict[Hashable, Callable], reps: int = 20,
                    out_of_memory: Optional[dict] = None,
                    spread: Optional[dict] = None, captures: int = 1) -> Dict[Hashable, float]:
     """Median time of one call of each fn, replayed as a CUDA graph after an L2 flush, interleaved.
     out_of_memory: see _fitting (the fns that did not fit are missing from the result). spread: a
-    dict to receive each fn's quartiles (first, third), to tell a steady gap between two medians
-    from replays that scatter across it. captures: each fn captured that many times (each graph
+    dict to receive each fn's Spread (quartiles and interquartile mean), to tell a steady gap
+    between two medians from replays that scatter across it. captures: each fn captured that many times (each graph
     with outputs of its own), every graph replayed `reps` times, a fn's replays pooled. Why: a
     graph keeps its own offset. On the H200 captures of one implementation differed steadily by
     up to 0.4 us at T <= 4096 (interquartile means of 120 replays, the same in two trials:
@@ -144,7 +170,7 @@ def graph_times_ms(fns: Dict[Hashable, Callable], reps: int = 20,
     samples = _pooled(slots, reps, lambda key, i: _replay_ms(flush, graphs[key][i]))
     del graphs
     if spread is not None:
-        spread.update({key: quartiles(t) for key, t in samples.items()})
+        spread.update({key: Spread.of(t) for key, t in samples.items()})
     return {key: statistics.median(t) for key, t in samples.items()}
 
 

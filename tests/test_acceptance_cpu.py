@@ -96,6 +96,10 @@ def test_a_failing_line_gives_the_replays_quartiles_where_recorded():
     _set(doc, "torch_compile", 128, fwd_q_ms=[0.0049, 0.0052])
     line = next(c.line() for c in acceptance.checks(doc) if not c.ok)
     assert line.endswith("(goal >= 1; 5.20 us (5.00-5.60) vs 5.10 us (4.90-5.20))"), line
+    _set(doc, "cake_det", 128, fwd_iqm_ms=0.005213)
+    _set(doc, "torch_compile", 128, fwd_iqm_ms=0.005087)
+    line = next(c.line() for c in acceptance.checks(doc) if not c.ok)
+    assert line.endswith("(5.00-5.60, IQM 5.213) vs 5.10 us (4.90-5.20, IQM 5.087))"), line
     _set(doc, "cake_det", 128, bwd_ms=0.0062)  # no quartiles for a backward (step less forward)
     assert "6.20 us vs 6.00 us)" in next(c.line() for c in acceptance.checks(doc) if "det bwd" in c.what)
 

@@ -1,6 +1,7 @@
 """The benchmark's L2 flush (no GPU): persisting lines are reset before every 256 MB write, and a
 failed reset stops the timing instead of leaving evict_last lines to favour the next replay."""
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -85,6 +86,20 @@ def test_quartiles_bracket_the_median_and_show_a_scatter():
     q1, q3 = timing.quartiles(split)
     assert (q1, q3) == pytest.approx((4.2, 4.8))
     assert timing.quartiles([5.0]) == (5.0, 5.0)
+
+
+def test_interquartile_mean_resolves_less_than_a_tick_and_drops_outliers():
+    tick = 0.032  # a CUDA event's step on the H100 and H200
+    # replays on whole ticks: the same median, but b's middle half sits 0.4 tick later
+    a = [t * tick for t in (129, 129, 130, 130, 130, 130, 130, 131, 131)]
+    b = [t * tick for t in (129, 129, 130, 130, 130, 131, 131, 131, 131)]
+    assert statistics.median(a) == statistics.median(b)
+    assert timing.interquartile_mean(b) - timing.interquartile_mean(a) == pytest.approx(0.4 * tick)
+    assert timing.interquartile_mean([4.0, 4.1, 4.2, 40.0]) == pytest.approx(4.15)  # 40 is cut
+    assert timing.interquartile_mean([4.0, 5.0]) == pytest.approx(4.5)  # under 4: all of them
+    spread = timing.Spread.of([4.2, 4.3, 4.25, 4.3, 4.2, 4.25, 4.3])
+    assert (spread.q1, spread.q3) == pytest.approx((4.225, 4.3))
+    assert spread.iqm == pytest.approx(4.26)  # 4.2, 4.25, 4.25, 4.3, 4.3
 
 
 def test_captures_are_each_replayed_and_pooled_per_implementation():
