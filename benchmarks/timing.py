@@ -158,12 +158,13 @@ def graph_times_ms(fns: Dict[Hashable, Callable], reps: int = 20,
     """Median time of one call of each fn, replayed as a CUDA graph after an L2 flush, interleaved.
     out_of_memory: see _fitting (the fns that did not fit are missing from the result). spread: a
     dict to receive each fn's Spread (quartiles and interquartile mean), to tell a steady gap
-    between two medians from replays that scatter across it. captures: each fn captured that many times (each graph
-    with outputs of its own), every graph replayed `reps` times, a fn's replays pooled. Why: a
-    graph keeps its own offset. On the H200 captures of one implementation differed steadily by
-    up to 0.4 us at T <= 4096 (interquartile means of 120 replays, the same in two trials:
-    torch.compile's H 2048 T 128 forward 5.45, 5.04, 5.03 us; our routed H 256 T 4096 forward
-    5.33 to 5.52 over six graphs), as much as the gaps measured."""
+    between two medians from replays that scatter across it. captures: each fn captured that
+    many times (each graph with outputs of its own), every graph replayed `reps` times, a fn's
+    replays pooled (benchmarks/graph_offsets.py keeps them apart). Why: a graph keeps its own
+    offset. On the H200 captures of one implementation differed steadily by up to 0.4 us at
+    T <= 4096 (interquartile means of 120 replays, the same in two trials: torch.compile's H 2048
+    T 128 forward 5.45, 5.04, 5.03 us; our routed H 256 T 4096 forward 5.33 to 5.52 over six
+    graphs), as much as the gaps measured."""
     flush = L2Flush()
     graphs = _fitting(fns, lambda fn: [_capture(fn) for _ in range(captures)], out_of_memory)
     slots = [(key, i) for key, captured in graphs.items() for i in range(len(captured))]
