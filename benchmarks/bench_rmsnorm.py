@@ -28,21 +28,27 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from library_calls import EPS  # noqa: E402
 from peers import OURS, available  # noqa: E402
 from report import markdown, plots  # noqa: E402
 from timing import (captures_for, copy_bandwidth_gbs, eager_batches_for,  # noqa: E402
                     eager_times_ms, graph_times_ms, replays_for)
 
-EPS = 1e-6
+
+def point_inputs(hidden, tokens):
+    """x (bf16 randn, requires grad), w (FP32 1 + 0.1 randn, requires grad) and dy (bf16 randn) of
+    a point, seeded by it: every implementation, and every tool that times them, on the same."""
+    gen = torch.Generator(device="cuda").manual_seed(hidden + tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).requires_grad_()
+    dy = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    return x, w, dy
 
 
 def measure_point(impls, hidden, tokens):
     """Every implementation at (hidden, tokens) on the same input tensors, timed interleaved:
     (a row per implementation, {implementation: error} for those that ran out of GPU memory)."""
-    gen = torch.Generator(device="cuda").manual_seed(hidden + tokens)
-    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
-    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).requires_grad_()
-    dy = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    x, w, dy = point_inputs(hidden, tokens)
     fwds = {name: (lambda impl=impl: impl(x, w, EPS)) for name, impl in impls.items()}
     steps = {name: (lambda impl=impl: torch.autograd.grad(impl(x, w, EPS), (x, w), dy))
              for name, impl in impls.items()}

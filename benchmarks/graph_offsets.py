@@ -1,14 +1,14 @@
 """Is a small-T forward gap the kernels' or the graphs'? Each implementation's training forward is
-captured several times, the captures interleaved across implementations (A0 B0 A1 B1 ...), and
-every graph replayed interleaved (timing.py: CUDA-graph replay, L2 flushed); each graph's replays
-are kept apart, not pooled.
+captured several times, the captures in rounds across implementations (A0 B0 A1 B1 ...), and
+every graph replayed interleaved (timing.graph_times_ms: CUDA-graph replay, L2 flushed); each
+graph's replays are read apart (its per_graph), not only pooled.
 
     python3 benchmarks/graph_offsets.py [--H 256] [--tokens 128,1024,4096] [--captures 8]
                                         [--reps 60] [--impls cake_fast,torch_compile] [--json F]
 
 Why: a graph keeps an offset of its own, steady over its replays (timing.graph_times_ms: up to
 0.4 us between captures of one implementation on the H200), and the benchmark captures an
-implementation's graphs one after another. If every graph of ours sits above every graph of the
+implementation's graphs and pools them. If every graph of ours sits above every graph of the
 peer's, the gap is the kernel's; if the graphs' offsets overlap, the benchmark's median gap of a
 tick or two (32 ns) says little.
 """
@@ -24,32 +24,25 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rmsnorm import EPS, point_inputs  # noqa: E402
 from peers import available  # noqa: E402
-from timing import L2Flush, Spread, _capture, _pooled, _replay_ms  # noqa: E402
-
-EPS = 1e-6
+from timing import graph_times_ms  # noqa: E402
 
 
 def measure(impls, hidden: int, tokens: int, captures: int, reps: int) -> dict:
-    """{impl: [Spread of each of its graphs' replays, in us]} at one (H, T), the same inputs for
-    all, as the benchmark's training forward (x and w require grad)."""
-    gen = torch.Generator(device="cuda").manual_seed(hidden + tokens)
-    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
-    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).requires_grad_()
-    graphs = {}
-    for i in range(captures):  # interleaved: no implementation's graphs all come first
-        for name, impl in impls.items():
-            graphs[(name, i)] = _capture(lambda impl=impl: impl(x, w, EPS))
-    flush = L2Flush()
-    samples = _pooled([(slot, 0) for slot in graphs], reps,
-                      lambda slot, _: _replay_ms(flush, graphs[slot]) * 1e3)
-    return {name: [Spread.of(samples[(name, i)]) for i in range(captures)] for name in impls}
+    """{impl: [Spread of each of its graphs' replays, in ms]} at one (H, T), on the benchmark's
+    inputs and its training forward (x and w require grad)."""
+    x, w, _ = point_inputs(hidden, tokens)
+    fwds = {name: (lambda impl=impl: impl(x, w, EPS)) for name, impl in impls.items()}
+    per_graph: dict = {}
+    graph_times_ms(fwds, reps, captures=captures, per_graph=per_graph)
+    return {name: [per_graph[(name, i)] for i in range(captures)] for name in impls}
 
 
 def report(hidden: int, tokens: int, per_graph: dict) -> list:
     lines = []
     for name, spreads in per_graph.items():
-        iqms = sorted(s.iqm for s in spreads)
+        iqms = sorted(s.iqm * 1e3 for s in spreads)  # us
         lines.append(f"H {hidden} T {tokens} {name}: graphs' IQM {iqms[0]:.3f}-{iqms[-1]:.3f} us, "
                      f"median of them {statistics.median(iqms):.3f} ("
                      + " ".join(f"{v:.3f}" for v in iqms) + ")")
@@ -81,7 +74,7 @@ def main(argv=None) -> int:
     for tokens in map(int, args.tokens.split(",")):
         per_graph = measure(impls, args.H, tokens, args.captures, args.reps)
         print("\n".join(report(args.H, tokens, per_graph)), flush=True)
-        points.append({"H": args.H, "T": tokens, "graphs_us": {
+        points.append({"H": args.H, "T": tokens, "graphs_ms": {
             name: [vars(s) for s in spreads] for name, spreads in per_graph.items()}})
     if args.json:
         Path(args.json).write_text(json.dumps(points, indent=1) + "\n")

@@ -153,26 +153,44 @@ class Spread:
 
 
 def graph_times_ms(fns: Dict[Hashable, Callable], reps: int = 20,
-                   out_of_memory: Optional[dict] = None,
-                   spread: Optional[dict] = None, captures: int = 1) -> Dict[Hashable, float]:
+                   out_of_memory: Optional[dict] = None, spread: Optional[dict] = None,
+                   captures: int = 1, per_graph: Optional[dict] = None) -> Dict[Hashable, float]:
     """Median time of one call of each fn, replayed as a CUDA graph after an L2 flush, interleaved.
     out_of_memory: see _fitting (the fns that did not fit are missing from the result). spread: a
     dict to receive each fn's Spread (quartiles and interquartile mean), to tell a steady gap
     between two medians from replays that scatter across it. captures: each fn captured that
-    many times (each graph with outputs of its own), every graph replayed `reps` times, a fn's
-    replays pooled (benchmarks/graph_offsets.py keeps them apart). Why: a graph keeps its own
+    many times (each graph with outputs of its own; _captured), every graph replayed `reps`
+    times, a fn's replays pooled; per_graph: a dict to receive each graph's own Spread, keyed
+    (fn's key, capture), as benchmarks/graph_offsets.py reads them. Why: a graph keeps its own
     offset. On the H200 captures of one implementation differed steadily by up to 0.4 us at
     T <= 4096 (interquartile means of 120 replays, the same in two trials: torch.compile's H 2048
     T 128 forward 5.45, 5.04, 5.03 us; our routed H 256 T 4096 forward 5.33 to 5.52 over six
     graphs), as much as the gaps measured."""
     flush = L2Flush()
-    graphs = _fitting(fns, lambda fn: [_capture(fn) for _ in range(captures)], out_of_memory)
+    graphs = _captured(fns, captures, out_of_memory)
     slots = [(key, i) for key, captured in graphs.items() for i in range(len(captured))]
-    samples = _pooled(slots, reps, lambda key, i: _replay_ms(flush, graphs[key][i]))
+    samples = _replayed(slots, reps, lambda key, i: _replay_ms(flush, graphs[key][i]))
     del graphs
+    pooled: Dict[Hashable, list] = {key: [] for key, _ in slots}
+    for (key, _), t in samples.items():
+        pooled[key].extend(t)
+    if per_graph is not None:
+        per_graph.update({slot: Spread.of(t) for slot, t in samples.items()})
     if spread is not None:
-        spread.update({key: Spread.of(t) for key, t in samples.items()})
-    return {key: statistics.median(t) for key, t in samples.items()}
+        spread.update({key: Spread.of(t) for key, t in pooled.items()})
+    return {key: statistics.median(t) for key, t in pooled.items()}
+
+
+def _captured(fns: Dict[Hashable, Callable], captures: int,
+              out_of_memory: Optional[dict]) -> Dict[Hashable, list]:
+    """{key: its graphs}: every fn captured `captures` times, in rounds (each fn once a round,
+    A0 B0 A1 B1 ...), so no implementation's graphs all come first. A fn that runs out of GPU
+    memory in any round is left out (_fitting)."""
+    graphs: Dict[Hashable, list] = {}
+    for _ in range(captures):
+        for key, graph in _fitting(fns, _capture, out_of_memory).items():
+            graphs.setdefault(key, []).append(graph)
+    return {key: g for key, g in graphs.items() if out_of_memory is None or key not in out_of_memory}
 
 
 def _replay_ms(flush: L2Flush, graph: torch.cuda.CUDAGraph) -> float:
@@ -185,13 +203,13 @@ def _replay_ms(flush: L2Flush, graph: torch.cuda.CUDAGraph) -> float:
     return start.elapsed_time(end)
 
 
-def _pooled(slots, reps: int, measure: Callable) -> Dict[Hashable, list]:
-    """{key: samples}: every (key, capture) slot measured `reps` times, interleaved (_rotations),
-    the samples of a key's captures pooled."""
-    samples: Dict[Hashable, list] = {key: [] for key, _ in slots}
+def _replayed(slots, reps: int, measure: Callable) -> Dict[Hashable, list]:
+    """{slot: samples}: every (key, capture) slot measured `reps` times, interleaved
+    (_rotations)."""
+    samples: Dict[Hashable, list] = {slot: [] for slot in slots}
     for order in _rotations(slots, reps):
         for key, i in order:
-            samples[key].append(measure(key, i))
+            samples[(key, i)].append(measure(key, i))
     return samples
 
 

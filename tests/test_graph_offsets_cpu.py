@@ -13,8 +13,8 @@ import graph_offsets  # noqa: E402
 from timing import Spread  # noqa: E402
 
 
-def _graphs(*iqms):
-    return [Spread(v - 0.1, v + 0.1, v) for v in iqms]
+def _graphs(*iqms_us):
+    return [Spread((v - 0.1) / 1e3, (v + 0.1) / 1e3, v / 1e3) for v in iqms_us]  # in ms
 
 
 def test_a_gap_of_every_graph_counts_every_pair():

@@ -102,24 +102,45 @@ def test_interquartile_mean_resolves_less_than_a_tick_and_drops_outliers():
     assert spread.iqm == pytest.approx(4.26)  # 4.2, 4.25, 4.25, 4.3, 4.3
 
 
-def test_captures_are_each_replayed_and_pooled_per_implementation():
+def _fake_graphs(monkeypatch, offsets):
+    """graph_times_ms without a GPU: capturing fns[key] takes the next of offsets[key] (a graph's
+    steady time of its own), replaying a graph returns it; (fns, capture order, replays)."""
+    captured, replayed = [], []
+    left = {key: iter(times) for key, times in offsets.items()}
+
+    def capture(key):
+        captured.append(key)
+        return next(left[key])
+
+    monkeypatch.setattr(timing, "L2Flush", lambda: None)
+    monkeypatch.setattr(timing, "_capture", lambda fn: fn())
+    monkeypatch.setattr(timing, "_replay_ms", lambda _flush, graph: replayed.append(graph) or graph)
+    return {key: (lambda key=key: capture(key)) for key in offsets}, captured, replayed
+
+
+def test_captures_are_each_replayed_and_pooled_per_implementation(monkeypatch):
     # two implementations, three captures each, every capture with a steady offset of its own
-    offset = {("a", 0): 5.0, ("a", 1): 5.4, ("a", 2): 5.1, ("b", 0): 5.2, ("b", 1): 5.2,
-              ("b", 2): 5.2}
-    seen = []
-
-    def measure(key, i):
-        seen.append((key, i))
-        return offset[(key, i)]
-
-    samples = timing._pooled(list(offset), 4, measure)
-    assert sorted(set(seen)) == sorted(offset) and len(seen) == 4 * len(offset)
-    assert all(seen.count(slot) == 4 for slot in offset)  # every graph replayed reps times
-    assert sorted(samples["a"]) == sorted([5.0, 5.4, 5.1] * 4)  # a key's captures pooled
-    assert sorted(samples["b"]) == [5.2] * 12
+    fns, captured, replayed = _fake_graphs(monkeypatch, {"a": [5.0, 5.4, 5.1], "b": [5.2, 5.2, 5.2]})
+    spread, per_graph = {}, {}
+    medians = timing.graph_times_ms(fns, reps=4, spread=spread, captures=3, per_graph=per_graph)
+    assert captured == ["a", "b"] * 3  # in rounds: neither implementation's graphs all come first
+    assert sorted(replayed) == sorted([5.0, 5.4, 5.1] * 4 + [5.2] * 12)  # every graph reps times
     # one capture alone would have put "a" ahead (5.0) or behind (5.4); pooled, its median is 5.1
-    import statistics
-    assert statistics.median(samples["a"]) == 5.1
+    assert medians == {"a": 5.1, "b": 5.2}
+    assert spread["a"].iqm == pytest.approx(statistics.fmean([5.0, 5.1, 5.1, 5.1, 5.1, 5.4]))
+    assert {slot: s.iqm for slot, s in per_graph.items()} == {
+        ("a", 0): 5.0, ("a", 1): 5.4, ("a", 2): 5.1, ("b", 0): 5.2, ("b", 1): 5.2, ("b", 2): 5.2}
+
+
+def test_an_implementation_out_of_memory_in_a_later_round_is_left_out(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    fns, captured, replayed = _fake_graphs(monkeypatch, {"a": [5.0, 5.1], "b": [6.0]})
+    fns["b"] = (lambda first=fns["b"]: first() if "b" not in captured else _oom())
+    unfit: dict = {}
+    medians = timing.graph_times_ms(fns, reps=2, out_of_memory=unfit, captures=2)
+    assert captured == ["a", "b", "a"]
+    assert list(medians) == ["a"] and list(unfit) == ["b"]
+    assert 6.0 not in replayed  # its first round's graph is not timed either
 
 
 def test_eager_batches_run_with_the_collector_off_and_restore_it(monkeypatch):
