@@ -130,10 +130,11 @@ def quartiles(samples) -> Tuple[float, float]:
 def interquartile_mean(samples) -> float:
     """The mean of the middle half of `samples` (sorted, a quarter cut from each end; all of them
     where fewer than 4). Why beside the median: CUDA events tick in 32 ns steps on the H100 and
-    H200 (H200 bench of 2026-12-06, T <= 4096: all 105 forward medians and 420 quartiles fall on
-    a tick or a half or quarter of one between two, as the median and quartiles interpolate), so
-    a median moves by half ticks, and at T 128 one tick is 0.8% of a forward; the mean of the
-    middle half resolves less than a tick and still drops the outlying replays."""
+    H200 (bench.json, T <= 4096, the H200's of 2026-12-06 and the H100's of 2026-12-07: in each,
+    all 105 forward medians and the 420 quartiles of forward and step fall on a tick or a half
+    or quarter of one between two, as the median and quartiles interpolate), so a median moves
+    by half ticks, and at T 128 one tick is 0.8% of a forward; the mean of the middle half
+    resolves less than a tick and still drops the outlying replays."""
     ordered = sorted(samples)
     cut = len(ordered) // 4
     middle = ordered[cut:len(ordered) - cut]
