@@ -2,8 +2,8 @@
 // the same argument checks the exported ABI uses (cake::bind). Independent of the Python package.
 //   NV=.venv/lib/python3.11/site-packages/nvidia/cu13
 //   $NV/bin/nvcc -std=c++17 -O3 --prec-div=true --prec-sqrt=true --ftz=false -DSMOKE_H=4096 \
-//     -gencode arch=compute_90a,code=sm_90a -cudart none -L$NV/lib -l:libcudart.so.13 \
-//     -Xlinker -rpath=$NV/lib -I csrc/include -I csrc -o smoke csrc/tools/smoke_test.cu
+//     -gencode arch=compute_90a,code=sm_90a -cudart static -L$NV/lib -I csrc/include -I csrc \
+//     -o smoke csrc/tools/smoke_test.cu        (tests/test_csrc_tools.py builds it so)
 //   ./smoke [T ...]          (default T: 1 7 128 300 4096)
 // Exit status 0 = every check passed.
 #include <cmath>
@@ -145,8 +145,8 @@ static void run_case(int64_t T) {
   const Dev<uint16_t>* dr = kRes ? &dres : nullptr;
   using R = cake::Reduction;
   using Pair = cake::BwdPair<H, W, kRes, R::kFp64Fold, 64>;
-  using Single = cake::BwdSingle<H, W, kRes, R::kBlockedFp32, 2, 32>;
-  using Col = cake::BwdColumnTask<H, W, kRes, R::kTwoSum, 64, 8>;
+  using Single = cake::BwdSingle<H, W, kRes, R::kBlockedFp32, 2, 32, 3>;
+  using Col = cake::BwdColumnTask<H, W, kRes, R::kTwoSum, 64, 8, 0, 1>;
   auto p0 = run_bwd<Pair>("pair", T, 0, dy, dr, xin, w, rstd, dx_ref, dx_scale, dw_ref, true);
   auto p1 = run_bwd<Pair>("pair", T, 3, dy, dr, xin, w, rstd, dx_ref, dx_scale, dw_ref, false);
   report("pair bits equal at grid_cap 0 / 3", p0 == p1, "");
