@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rmsnorm import EPS, point_inputs  # noqa: E402
+from bench_rmsnorm import point_inputs  # noqa: E402
+from library_calls import EPS  # noqa: E402
 from peers import available  # noqa: E402
 from timing import graph_times_ms  # noqa: E402
 
